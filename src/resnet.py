@@ -1,0 +1,192 @@
+"""ResNet-18/34/50/101/152 for MindSpore, laid out like torchvision's resnet.
+
+Cells carry torchvision's module names (conv1, bn1, layer1.0.conv2, layer2.0.downsample.0, fc), so a
+PyTorch state_dict maps onto this network by renaming the BatchNorm fields only
+(weight->gamma, bias->beta, running_mean->moving_mean, running_var->moving_variance).
+"""
+import math
+from typing import Callable, Dict, List, Optional, Type, Union
+
+from mindspore import nn
+from mindspore.common import initializer as init
+
+# torch.nn.BatchNorm2d defaults: momentum 0.1 (MindSpore counts it the other way round), eps 1e-5.
+BN_MOMENTUM = 0.9
+BN_EPS = 1e-5
+
+
+def conv3x3(in_planes: int, out_planes: int, stride: int = 1) -> nn.Conv2d:
+    # pad_mode='pad' with explicit padding: MindSpore's default 'same' pads asymmetrically at stride 2.
+    return nn.Conv2d(in_planes, out_planes, kernel_size=3, stride=stride, pad_mode="pad", padding=1,
+                     has_bias=False)
+
+
+def conv1x1(in_planes: int, out_planes: int, stride: int = 1) -> nn.Conv2d:
+    return nn.Conv2d(in_planes, out_planes, kernel_size=1, stride=stride, pad_mode="valid", has_bias=False)
+
+
+def batch_norm(channels: int) -> nn.BatchNorm2d:
+    return nn.BatchNorm2d(channels, eps=BN_EPS, momentum=BN_MOMENTUM)
+
+
+class BasicBlock(nn.Cell):
+    """Two 3x3 convolutions (ResNet-18/34)."""
+    expansion = 1
+
+    def __init__(self, inplanes: int, planes: int, stride: int = 1,
+                 downsample: Optional[nn.SequentialCell] = None) -> None:
+        super().__init__()
+        self.conv1 = conv3x3(inplanes, planes, stride)
+        self.bn1 = batch_norm(planes)
+        self.relu = nn.ReLU()
+        self.conv2 = conv3x3(planes, planes)
+        self.bn2 = batch_norm(planes)
+        self.downsample = downsample
+
+    def last_bn(self) -> nn.BatchNorm2d:
+        return self.bn2
+
+    def construct(self, x):
+        identity = x
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        if self.downsample is not None:
+            identity = self.downsample(x)
+        return self.relu(out + identity)
+
+
+class Bottleneck(nn.Cell):
+    """1x1 -> 3x3 -> 1x1 with the stride on the 3x3 convolution (torchvision's "ResNet V1.5")."""
+    expansion = 4
+
+    def __init__(self, inplanes: int, planes: int, stride: int = 1,
+                 downsample: Optional[nn.SequentialCell] = None) -> None:
+        super().__init__()
+        self.conv1 = conv1x1(inplanes, planes)
+        self.bn1 = batch_norm(planes)
+        self.conv2 = conv3x3(planes, planes, stride)
+        self.bn2 = batch_norm(planes)
+        self.conv3 = conv1x1(planes, planes * self.expansion)
+        self.bn3 = batch_norm(planes * self.expansion)
+        self.relu = nn.ReLU()
+        self.downsample = downsample
+
+    def last_bn(self) -> nn.BatchNorm2d:
+        return self.bn3
+
+    def construct(self, x):
+        identity = x
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.relu(self.bn2(self.conv2(out)))
+        out = self.bn3(self.conv3(out))
+        if self.downsample is not None:
+            identity = self.downsample(x)
+        return self.relu(out + identity)
+
+
+Block = Union[Type[BasicBlock], Type[Bottleneck]]
+
+
+class ResNet(nn.Cell):
+    """ResNet backbone plus a linear classifier over the globally averaged features."""
+
+    def __init__(self, block: Block, layers: List[int], num_classes: int = 1000,
+                 zero_init_residual: bool = False) -> None:
+        super().__init__()
+        self.inplanes = 64
+        self.conv1 = nn.Conv2d(3, 64, kernel_size=7, stride=2, pad_mode="pad", padding=3, has_bias=False)
+        self.bn1 = batch_norm(64)
+        self.relu = nn.ReLU()
+        # torch's MaxPool2d(3, 2, padding=1) as an explicit zero pad and a 'valid' pool: the input is
+        # post-ReLU (>= 0), so zero padding gives the same maxima as torch's -inf padding, and unlike
+        # MaxPool2d(pad_mode='pad') this form exports to ONNX.
+        self.maxpool = nn.SequentialCell([
+            nn.Pad(paddings=((0, 0), (0, 0), (1, 1), (1, 1)), mode="CONSTANT"),
+            nn.MaxPool2d(kernel_size=3, stride=2, pad_mode="valid"),
+        ])
+        self.layer1 = self._make_layer(block, 64, layers[0])
+        self.layer2 = self._make_layer(block, 128, layers[1], stride=2)
+        self.layer3 = self._make_layer(block, 256, layers[2], stride=2)
+        self.layer4 = self._make_layer(block, 512, layers[3], stride=2)
+        self.fc = nn.Dense(512 * block.expansion, num_classes)
+        self.num_classes = num_classes
+        self._initialize(zero_init_residual)
+
+    def _make_layer(self, block: Block, planes: int, blocks: int, stride: int = 1) -> nn.SequentialCell:
+        downsample = None
+        if stride != 1 or self.inplanes != planes * block.expansion:
+            downsample = nn.SequentialCell([conv1x1(self.inplanes, planes * block.expansion, stride),
+                                            batch_norm(planes * block.expansion)])
+        cells = [block(self.inplanes, planes, stride, downsample)]
+        self.inplanes = planes * block.expansion
+        cells += [block(self.inplanes, planes) for _ in range(1, blocks)]
+        return nn.SequentialCell(cells)
+
+    def _initialize(self, zero_init_residual: bool) -> None:
+        """The migration guide's initialisation (torchvision's, with a zero Dense bias)."""
+        for _, cell in self.cells_and_names():
+            if isinstance(cell, nn.Conv2d):
+                cell.weight.set_data(init.initializer(
+                    init.HeNormal(negative_slope=0, mode="fan_out", nonlinearity="relu"),
+                    cell.weight.shape, cell.weight.dtype))
+            elif isinstance(cell, nn.BatchNorm2d):
+                cell.gamma.set_data(init.initializer("ones", cell.gamma.shape, cell.gamma.dtype))
+                cell.beta.set_data(init.initializer("zeros", cell.beta.shape, cell.beta.dtype))
+            elif isinstance(cell, nn.Dense):
+                cell.weight.set_data(init.initializer(init.HeUniform(negative_slope=math.sqrt(5)),
+                                                      cell.weight.shape, cell.weight.dtype))
+                cell.bias.set_data(init.initializer("zeros", cell.bias.shape, cell.bias.dtype))
+        if zero_init_residual:
+            # Each residual branch starts as zero, so every block starts as the identity (Goyal et al. 2017).
+            for _, cell in self.cells_and_names():
+                if isinstance(cell, (BasicBlock, Bottleneck)):
+                    gamma = cell.last_bn().gamma
+                    gamma.set_data(init.initializer("zeros", gamma.shape, gamma.dtype))
+
+    def construct(self, x):
+        x = self.maxpool(self.relu(self.bn1(self.conv1(x))))
+        x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
+        # Global average pooling: a mean over H and W equals AdaptiveAvgPool2d((1, 1)) and is cheaper.
+        x = x.mean(axis=(2, 3))
+        return self.fc(x)
+
+
+ARCHITECTURES: Dict[str, tuple] = {
+    "resnet18": (BasicBlock, [2, 2, 2, 2]),
+    "resnet34": (BasicBlock, [3, 4, 6, 3]),
+    "resnet50": (Bottleneck, [3, 4, 6, 3]),
+    "resnet101": (Bottleneck, [3, 4, 23, 3]),
+    "resnet152": (Bottleneck, [3, 8, 36, 3]),
+}
+
+
+def build_resnet(model_name: str, num_classes: int = 1000, zero_init_residual: bool = False) -> ResNet:
+    """Builds one of ARCHITECTURES by name."""
+    if model_name not in ARCHITECTURES:
+        raise ValueError(f"unknown model_name {model_name!r}; choose one of {', '.join(ARCHITECTURES)}")
+    block, layers = ARCHITECTURES[model_name]
+    return ResNet(block, layers, num_classes=num_classes, zero_init_residual=zero_init_residual)
+
+
+def _factory(model_name: str) -> Callable[..., ResNet]:
+    def make(num_classes: int = 1000, zero_init_residual: bool = False) -> ResNet:
+        return build_resnet(model_name, num_classes, zero_init_residual)
+    make.__name__ = model_name
+    make.__doc__ = f"{model_name} as in torchvision (num_classes, zero_init_residual)."
+    return make
+
+
+resnet18 = _factory("resnet18")
+resnet34 = _factory("resnet34")
+resnet50 = _factory("resnet50")
+resnet101 = _factory("resnet101")
+resnet152 = _factory("resnet152")
+
+
+def count_trainable_parameters(net: nn.Cell) -> int:
+    """Number of trainable scalars: what torchvision counts with sum(p.numel() for p in parameters())."""
+    return sum(int(p.size) for p in net.trainable_params())
+
+
+__all__ = ["ResNet", "BasicBlock", "Bottleneck", "ARCHITECTURES", "build_resnet", "resnet18", "resnet34",
+           "resnet50", "resnet101", "resnet152", "count_trainable_parameters"]
