@@ -1,0 +1,125 @@
+"""Evaluation of a classifier over a dataset: top-1, top-5, mean cross-entropy, per-class accuracy and the
+confusion matrix, summed over all ranks of a distributed job."""
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, Sequence
+
+import numpy as np
+import mindspore as ms
+from mindspore import nn
+
+
+@dataclass
+class EvalResult:
+    confusion: np.ndarray  # [true class, predicted class] -> count
+    loss_sum: float
+    top5_correct: int
+
+    @property
+    def num_samples(self) -> int:
+        return int(self.confusion.sum())
+
+    @property
+    def top1(self) -> float:
+        return float(np.trace(self.confusion)) / max(self.num_samples, 1)
+
+    @property
+    def top5(self) -> float:
+        return self.top5_correct / max(self.num_samples, 1)
+
+    @property
+    def loss(self) -> float:
+        return self.loss_sum / max(self.num_samples, 1)
+
+    def per_class_accuracy(self, names: Sequence[str]) -> Dict[str, float]:
+        totals = self.confusion.sum(axis=1)
+        return {name: (float(self.confusion[i, i]) / totals[i] if totals[i] else float("nan"))
+                for i, name in enumerate(names)}
+
+
+def batch_statistics(logits: np.ndarray, labels: np.ndarray, class_num: int):
+    """(confusion counts, summed cross-entropy, top-5 hits) of one batch, computed in float64."""
+    logits = logits.astype(np.float64)
+    shifted = logits - logits.max(axis=1, keepdims=True)
+    log_probs = shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))
+    loss_sum = float(-log_probs[np.arange(len(labels)), labels].sum())
+    k = min(5, class_num)
+    top_k = np.argpartition(-logits, k - 1, axis=1)[:, :k]
+    top5 = int((top_k == labels[:, None]).any(axis=1).sum())
+    confusion = np.zeros((class_num, class_num), np.int64)
+    np.add.at(confusion, (labels, logits.argmax(axis=1)), 1)
+    return confusion, loss_sum, top5
+
+
+def _sum_over_ranks(values: np.ndarray) -> np.ndarray:
+    from mindspore import ops
+    return ops.AllReduce()(ms.Tensor(values)).asnumpy()
+
+
+def evaluate(net: nn.Cell, dataset, class_num: int, group_size: int = 1) -> EvalResult:
+    """Runs net in inference mode over dataset (columns image, label); sums over ranks when group_size > 1."""
+    net.set_train(False)
+    confusion = np.zeros((class_num, class_num), np.int64)
+    loss_sum, top5 = 0.0, 0
+    for images, labels in dataset.create_tuple_iterator(num_epochs=1):
+        logits = net(images).asnumpy()
+        batch_confusion, batch_loss, batch_top5 = batch_statistics(logits, labels.asnumpy(), class_num)
+        confusion += batch_confusion
+        loss_sum += batch_loss
+        top5 += batch_top5
+    if group_size > 1:
+        # One collective for all three; float32 holds counts exactly up to 2**24 images.
+        packed = np.concatenate([confusion.ravel(), [loss_sum, top5]]).astype(np.float32)
+        packed = _sum_over_ranks(packed).astype(np.float64)
+        confusion = np.rint(packed[:-2]).astype(np.int64).reshape(class_num, class_num)
+        loss_sum, top5 = float(packed[-2]), int(round(packed[-1]))
+    return EvalResult(confusion=confusion, loss_sum=loss_sum, top5_correct=top5)
+
+
+def write_json_atomic(values: Dict, path: Path) -> Path:
+    staging = path.with_name(f".{path.name}.partial")
+    staging.write_text(json.dumps(values, indent=2) + "\n", encoding="utf-8")
+    os.replace(staging, path)
+    return path
+
+
+def run_evaluation(config, env, logger: logging.Logger) -> Dict:
+    """Evaluates config.checkpoint_path on the test set; writes eval_result.json (and the confusion
+    matrix PNG when save_confusion_matrix) to output_path; returns the result dictionary."""
+    from src.checkpoint import load_weights
+    from src.data_source import prepare_data
+    from src.dataset import class_names, create_dataset
+    from src.plotting import plot_confusion_matrix
+    from src.resnet import build_resnet
+
+    data = prepare_data(config, logger, training=False)
+    net = build_resnet(config.model_name, config.class_num)
+    load_weights(net, config.checkpoint_path, config.model_name)
+    dataset = create_dataset(data.eval_path, False, config.batch_size, (config.image_height, config.image_width),
+                             env.group_size, env.rank_id, config.eval_num_samples, config.num_parallel_workers,
+                             config.seed)
+    logger.info("evaluating %s (%s) on %s", config.checkpoint_path, config.model_name, data.describe())
+    result = evaluate(net, dataset, config.class_num, env.group_size)
+    names = class_names(config.class_num)
+    values = {
+        "top1": result.top1, "top5": result.top5, "loss": result.loss, "num_samples": result.num_samples,
+        "checkpoint": str(config.checkpoint_path), "model_name": config.model_name,
+        "class_num": config.class_num, "data_path": data.eval_path, "synthetic_data": data.synthetic,
+        "image_size": [config.image_height, config.image_width],
+        "per_class_accuracy": result.per_class_accuracy(names),
+        "confusion_matrix": result.confusion.tolist(),
+    }
+    if env.is_main_rank:
+        output = Path(config.output_path)
+        output.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(values, output / "eval_result.json")
+        if config.save_confusion_matrix:
+            png = plot_confusion_matrix(result.confusion, names, str(output / "confusion_matrix.png"))
+            logger.info("wrote %s", png)
+        logger.info("top-1 %.4f top-5 %.4f loss %.4f on %d images%s; wrote %s", result.top1, result.top5, result.loss,
+                    result.num_samples, " [SYNTHETIC data, not CIFAR-10]" if data.synthetic else "",
+                    output / "eval_result.json")
+    return values

@@ -1,0 +1,161 @@
+"""Run environment: device choice, CPU speed setting, seeds, graph/pynative mode, distributed set-up,
+logging, and the one-line error handling shared by the top-level scripts."""
+import contextlib
+import logging
+import os
+import random
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+import numpy as np
+import mindspore as ms
+
+from src.errors import UserError
+
+# oneDNN picks slow reference kernels for 3x3/7x7 convolutions on plain NCHW tensors on AVX-512 CPUs;
+# capping it at AVX2 gives its fast kernels (about 80x on one conv, see README "CPU speed").
+ONEDNN_ISA_VARIABLE = "ONEDNN_MAX_CPU_ISA"
+ONEDNN_ISA_DEFAULT = "AVX2"
+DEVICE_PREFERENCE = ("Ascend", "GPU", "CPU")
+
+
+@dataclass(frozen=True)
+class RunEnv:
+    """What init_env set up: the device in use and this process's place in a distributed job."""
+    device_target: str
+    rank_id: int = 0
+    group_size: int = 1
+
+    @property
+    def distributed(self) -> bool:
+        return self.group_size > 1
+
+    @property
+    def is_main_rank(self) -> bool:
+        return self.rank_id == 0
+
+
+def apply_cpu_speed_setting(logger: Optional[logging.Logger] = None) -> str:
+    """Caps oneDNN's instruction set unless the user set ONEDNN_MAX_CPU_ISA; returns the value in force.
+
+    Must run before the first convolution (oneDNN reads it once).
+    """
+    user_value = os.environ.get(ONEDNN_ISA_VARIABLE)
+    if user_value is None:
+        os.environ[ONEDNN_ISA_VARIABLE] = ONEDNN_ISA_DEFAULT
+    if logger:
+        origin = "set by the user" if user_value is not None else "project default"
+        logger.info("%s=%s (%s)", ONEDNN_ISA_VARIABLE, os.environ[ONEDNN_ISA_VARIABLE], origin)
+    return os.environ[ONEDNN_ISA_VARIABLE]
+
+
+@contextlib.contextmanager
+def _quiet_stderr():
+    """Silences file descriptor 2: probing an absent backend makes MindSpore's C++ print load failures."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with open(os.devnull, "w", encoding="utf-8") as devnull:
+        os.dup2(devnull.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+
+
+def device_usable(target: str) -> bool:
+    """Whether the installed MindSpore can run on target (CPU always can)."""
+    if target == "CPU":
+        return True
+    try:
+        with _quiet_stderr():
+            return bool(ms.hal.is_available(target))
+    except (RuntimeError, ValueError):
+        return False
+
+
+def select_device(requested: str, logger: logging.Logger) -> str:
+    """Auto picks Ascend, then GPU, then CPU; an explicit target that can't be used is refused."""
+    if requested == "Auto":
+        chosen = next(target for target in DEVICE_PREFERENCE if device_usable(target))
+        logger.info("device_target Auto: using %s", chosen)
+        return chosen
+    if not device_usable(requested):
+        usable = [target for target in DEVICE_PREFERENCE if device_usable(target)]
+        raise UserError(f"device_target {requested} is not usable with this MindSpore {ms.__version__} install "
+                        f"(usable here: {', '.join(usable)}); set --device_target {usable[0]} or Auto, or install "
+                        f"MindSpore built for {requested}")
+    return requested
+
+
+def launched_distributed() -> bool:
+    """True when started by msrun (or the Ascend rank-table route) as one of several workers."""
+    if os.environ.get("MS_ROLE") == "MS_WORKER":
+        return True
+    return bool(os.environ.get("RANK_TABLE_FILE")) and int(os.environ.get("RANK_SIZE", "1")) > 1
+
+
+def launcher_rank() -> int:
+    """This process's rank as the launcher set it (0 when not distributed); valid before init()."""
+    return int(os.environ.get("RANK_ID", "0")) if launched_distributed() else 0
+
+
+def set_seeds(seed: int) -> None:
+    """Seeds MindSpore (weights), NumPy, Python and the data pipeline."""
+    ms.set_seed(seed)
+    np.random.seed(seed)
+    random.seed(seed)
+    ms.dataset.config.set_seed(seed)
+
+
+def init_env(config, logger: logging.Logger) -> RunEnv:
+    """Sets up device, mode, seeds, the CPU speed setting and, under a launcher, data-parallel training."""
+    apply_cpu_speed_setting(logger)
+    set_seeds(config.seed)
+    device = select_device(config.device_target, logger)
+    ms.set_context(mode=ms.GRAPH_MODE if config.context_mode == "graph" else ms.PYNATIVE_MODE)
+    if not launched_distributed():
+        ms.set_device(device, config.device_id if device != "CPU" else None)
+        return RunEnv(device_target=device)
+    ms.set_device(device)  # the launcher hands out device ids
+    from mindspore.communication import get_group_size, get_rank, init
+    init()
+    rank_id, group_size = get_rank(), get_group_size()
+    ms.reset_auto_parallel_context()
+    ms.set_auto_parallel_context(parallel_mode=ms.ParallelMode.DATA_PARALLEL, gradients_mean=True,
+                                 device_num=group_size)
+    logger.info("data-parallel training: rank %d of %d", rank_id, group_size)
+    return RunEnv(device_target=device, rank_id=rank_id, group_size=group_size)
+
+
+def get_logger(output_path: Optional[str] = None, log_name: str = "train.log", rank_id: int = 0) -> logging.Logger:
+    """Logs to the terminal and, on rank 0, to output_path/log_name."""
+    logger = logging.getLogger("resnet")
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+    for handler in list(logger.handlers):
+        logger.removeHandler(handler)
+        handler.close()
+    prefix = f"[rank {rank_id}] " if rank_id else ""
+    formatter = logging.Formatter(f"%(asctime)s {prefix}%(message)s", "%Y-%m-%d %H:%M:%S")
+    console = logging.StreamHandler(sys.stdout)
+    console.setFormatter(formatter)
+    logger.addHandler(console)
+    if output_path and rank_id == 0:
+        Path(output_path).mkdir(parents=True, exist_ok=True)
+        file_handler = logging.FileHandler(Path(output_path) / log_name, encoding="utf-8")
+        file_handler.setFormatter(formatter)
+        logger.addHandler(file_handler)
+    return logger
+
+
+def run_cli(main: Callable[[], int]) -> None:
+    """Runs a script's main(); a UserError becomes one 'error: ...' line on stderr and exit code 2."""
+    try:
+        code = main()
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        code = 2
+    sys.exit(code or 0)
