@@ -40,6 +40,8 @@ def link_or_copy_atomic(source: Path, destination: Path) -> None:
     except OSError:
         shutil.copyfile(source, staging)
     os.replace(staging, destination)
+    # Renaming a hard link onto another link of the same file is a no-op that leaves the staging name.
+    staging.unlink(missing_ok=True)
 
 
 def read_checkpoint(path: str) -> Dict[str, Any]:
@@ -53,17 +55,12 @@ def read_checkpoint(path: str) -> Dict[str, Any]:
         raise UserError(f"checkpoint {file} is empty (0 bytes): the write was interrupted; use another checkpoint")
     try:
         entries = ms.load_checkpoint(str(file), crc_check=True)
-    except (ValueError, RuntimeError, TypeError) as exc:
-        raise UserError(f"checkpoint {file} is damaged or not a MindSpore checkpoint ({_first_sentence(exc)}); "
-                        "use a .ckpt written by train.py") from None
+    except (ValueError, RuntimeError, TypeError):
+        raise UserError(f"checkpoint {file} is damaged or not a MindSpore checkpoint (it does not parse or its CRC "
+                        "does not match); use another copy or a .ckpt written by train.py") from None
     if not entries:
         raise UserError(f"checkpoint {file} holds no parameters; use a .ckpt written by train.py")
     return entries
-
-
-def _first_sentence(exc: Exception) -> str:
-    text = " ".join(str(exc).split())
-    return text.split(". ")[0][:200]
 
 
 def describe_weights(entries: Dict[str, Any]) -> Tuple[Optional[str], Optional[int]]:

@@ -84,6 +84,9 @@ def extract_cifar_archive(archive: Path, data_path: Path) -> Path:
 def download_cifar10(data_path: str, url: str, md5: str, logger: logging.Logger) -> Path:
     """Fetches and extracts CIFAR-10 so that data_path holds data_batch_*.bin and test_batch.bin."""
     target = Path(data_path)
+    if target.exists() and (not target.is_dir() or any(target.iterdir())):
+        raise UserError(f"data_path {target} exists but holds no data_batch_*.bin: empty it or point data_path at a "
+                        "new folder so CIFAR-10 can be downloaded there, or set --download false")
     target.parent.mkdir(parents=True, exist_ok=True)
     archive = target.parent / Path(urllib.parse.urlparse(url).path).name
     if not archive.name.endswith((".tar.gz", ".tgz")):

@@ -176,6 +176,9 @@ class Trainer:
         self.optimizer = build_optimizer(config, self.net.trainable_params(), self.learning_rates)
         amp_level, loss_scale = resolve_amp(config, env.device_target, logger)
         self.train_step = build_train_step(self.net, self.optimizer, config, amp_level, loss_scale)
+        self.sink_mode = config.dataset_sink_mode and env.device_target != "CPU"
+        if config.dataset_sink_mode and not self.sink_mode:
+            logger.info("dataset_sink_mode: MindSpore sinks data on Ascend and GPU only; CPU feeds batches from Python")
         self.state = TrainingState()
         if config.resume:
             self.state = restore_training_state(config.resume, self.net, self.train_step, config,
@@ -209,7 +212,7 @@ class Trainer:
 
     def _step_function(self, dataset):
         """A callable running one step and returning the loss: fed from Python or from the device queue."""
-        if self.config.dataset_sink_mode:
+        if self.sink_mode:
             sink = ms.data_sink(self.train_step, dataset, sink_size=1)
             return lambda: sink(), dataset.get_dataset_size()
         iterator = dataset.create_tuple_iterator(num_epochs=1)
@@ -290,8 +293,10 @@ class Trainer:
                 checkpoint = self.checkpoints.save_interrupted(self.train_step, self.state)
             else:
                 checkpoint = self.checkpoints.path("last")
-            self.logger.info("stopped by %s at epoch %d step %d; resume with --resume %s", signal.Signals(signum).name,
-                             self.state.epoch_num + 1, self.state.step_in_epoch, checkpoint)
+            # MindSpore's graph runtime re-raises Ctrl-C during a step as SIGTERM: say so rather than confuse.
+            note = " (Ctrl-C during a MindSpore step arrives as SIGTERM)" if signum == signal.SIGTERM else ""
+            self.logger.info("stopped by %s%s at epoch %d step %d; resume with --resume %s", signal.Signals(signum).name,
+                             note, self.state.epoch_num + 1, self.state.step_in_epoch, checkpoint)
         raise TrainingInterrupted(signum, checkpoint)
 
 
