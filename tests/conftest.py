@@ -1,0 +1,45 @@
+"""Shared fixtures: a generated CIFAR-format dataset and a runner for the top-level scripts."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Dict, List, Optional
+
+# oneDNN's fast convolution kernels on AVX-512 machines (see README); set before MindSpore runs a conv.
+os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX2")
+
+import pytest  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+# Small, fast settings for end-to-end runs: 32x32 input, few images.
+FAST_ARGS = ["--image_height", "32", "--image_width", "32", "--num_parallel_workers", "2", "--log_interval", "1"]
+
+
+@pytest.fixture(scope="session")
+def cifar_dir(tmp_path_factory) -> Path:
+    """A full-size synthetic CIFAR-10 binary folder (data_batch_1..5.bin, test_batch.bin), made once."""
+    from src.synthetic_data import write_synthetic_cifar
+    return write_synthetic_cifar(str(tmp_path_factory.mktemp("data") / "cifar-10-batches-bin"), seed=0)
+
+
+def run_script(script: str, args: List[str], cwd: Optional[Path] = None, timeout: float = 600,
+               env: Optional[Dict[str, str]] = None) -> subprocess.CompletedProcess:
+    """Runs python SCRIPT ARGS from the repository root (or cwd) and returns the finished process."""
+    full_env = dict(os.environ)
+    full_env.update(env or {})
+    return subprocess.run([sys.executable, str(REPO / script), *args], cwd=str(cwd or REPO), env=full_env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def assert_one_line_error(process: subprocess.CompletedProcess, *fragments: str) -> str:
+    """The process failed with exit code 2 and a single 'error: ...' line naming every fragment."""
+    assert process.returncode == 2, (process.returncode, process.stdout[-2000:], process.stderr[-2000:])
+    assert "Traceback" not in process.stderr, process.stderr[-3000:]
+    errors = [line for line in process.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, process.stderr[-3000:]
+    for fragment in fragments:
+        assert fragment in errors[0], (fragment, errors[0])
+    return errors[0]

@@ -1,0 +1,60 @@
+"""Run environment: device choice, the oneDNN speed setting, launcher detection."""
+import logging
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO, assert_one_line_error, run_script
+from src.errors import UserError
+from src.utils import ONEDNN_ISA_VARIABLE, apply_cpu_speed_setting, launched_distributed, select_device
+
+
+def test_auto_picks_cpu_here_and_logs_it(caplog):
+    logger = logging.getLogger("test-utils")
+    with caplog.at_level(logging.INFO, logger="test-utils"):
+        assert select_device("Auto", logger) == "CPU"
+    assert "device_target Auto: using CPU" in caplog.text
+
+
+@pytest.mark.parametrize("target", ["GPU", "Ascend"])
+def test_unusable_explicit_target_is_refused(target):
+    with pytest.raises(UserError) as caught:
+        select_device(target, logging.getLogger("test-utils"))
+    assert f"device_target {target} is not usable" in str(caught.value)
+    assert "usable here: CPU" in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_cpu_speed_setting_default_and_user_value_wins(monkeypatch):
+    monkeypatch.delenv(ONEDNN_ISA_VARIABLE, raising=False)
+    assert apply_cpu_speed_setting() == "AVX2" and os.environ[ONEDNN_ISA_VARIABLE] == "AVX2"
+    monkeypatch.setenv(ONEDNN_ISA_VARIABLE, "AVX512_CORE")
+    assert apply_cpu_speed_setting() == "AVX512_CORE"
+
+
+def test_launcher_detection(monkeypatch):
+    for name in ("MS_ROLE", "RANK_TABLE_FILE", "RANK_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    assert not launched_distributed()
+    monkeypatch.setenv("MS_ROLE", "MS_WORKER")
+    assert launched_distributed()
+
+
+def test_scripts_apply_the_speed_setting_unless_the_user_set_it(cifar_dir, tmp_path):
+    env = {key: value for key, value in os.environ.items() if key != ONEDNN_ISA_VARIABLE}
+    args = ["--data_path", str(cifar_dir), "--output_path", str(tmp_path), "--checkpoint_path", str(tmp_path / "x.ckpt")]
+    default = subprocess.run([sys.executable, "eval.py", *args], cwd=REPO, env=env, capture_output=True, text=True,
+                             timeout=300)
+    assert "ONEDNN_MAX_CPU_ISA=AVX2 (project default)" in default.stdout, default.stdout[-2000:]
+    env[ONEDNN_ISA_VARIABLE] = "AVX512_CORE"
+    user = subprocess.run([sys.executable, "eval.py", *args], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert "ONEDNN_MAX_CPU_ISA=AVX512_CORE (set by the user)" in user.stdout, user.stdout[-2000:]
+
+
+def test_cli_refuses_an_unusable_device(cifar_dir, tmp_path):
+    process = run_script("train.py", ["--device_target", "GPU", "--data_path", str(cifar_dir),
+                                      "--output_path", str(tmp_path)])
+    assert_one_line_error(process, "device_target GPU is not usable")
+    assert not list(tmp_path.glob("*.ckpt"))
