@@ -59,6 +59,25 @@ def _sum_over_ranks(values: np.ndarray) -> np.ndarray:
     return ops.AllReduce()(ms.Tensor(values)).asnumpy()
 
 
+def average_batchnorm_statistics(net: nn.Cell, group_size: int) -> None:
+    """Replaces every rank's BatchNorm moving mean/variance by the average over ranks.
+
+    Data parallelism averages gradients, so the trained weights agree, but each rank updates its moving
+    statistics from its own batches. Averaging them (as timm's distribute_bn does) makes every rank, and
+    so the checkpoint rank 0 writes, evaluate identically. One collective for all of them.
+    """
+    if group_size <= 1:
+        return
+    stats = [param for param in net.get_parameters() if param.name.endswith((".moving_mean", ".moving_variance"))]
+    flat = np.concatenate([param.asnumpy().ravel() for param in stats]).astype(np.float32)
+    averaged = _sum_over_ranks(flat) / group_size
+    offset = 0
+    for param in stats:
+        size = int(np.prod(param.shape))
+        param.set_data(ms.Tensor(averaged[offset:offset + size].reshape(param.shape), param.dtype))
+        offset += size
+
+
 def evaluate(net: nn.Cell, dataset, class_num: int, group_size: int = 1) -> EvalResult:
     """Runs net in inference mode over dataset (columns image, label); sums over ranks when group_size > 1."""
     net.set_train(False)

@@ -16,7 +16,7 @@ from src.checkpoint import link_or_copy_atomic, network_weights, read_checkpoint
 from src.data_source import DataSource, prepare_data
 from src.dataset import create_dataset
 from src.errors import UserError
-from src.evaluation import EvalResult, evaluate
+from src.evaluation import EvalResult, average_batchnorm_statistics, evaluate
 from src.lr_schedule import schedule_from_config
 from src.metrics_file import MetricsFile
 from src.plotting import plot_training_curves
@@ -247,6 +247,7 @@ class Trainer:
         seconds = time.perf_counter() - started
         train_loss = state.epoch_loss_sum / self.steps_per_epoch
         state.epoch_num, state.step_in_epoch, state.epoch_loss_sum = epoch + 1, 0, 0.0
+        average_batchnorm_statistics(self.net, self.env.group_size)  # before evaluating and saving
         result = self._evaluate_if_due()
         self._record_epoch(train_loss, seconds, (self.steps_per_epoch - first_step) * images_per_step, result)
         if stop.signum is not None:  # arrived during evaluation: the epoch checkpoint is the resume point

@@ -90,15 +90,24 @@ def select_device(requested: str, logger: logging.Logger) -> str:
     return requested
 
 
+SCHEDULER_RANK = -1  # msrun's scheduler process: it runs the script too, but only inside init()
+
+
 def launched_distributed() -> bool:
-    """True when started by msrun (or the Ascend rank-table route) as one of several workers."""
-    if os.environ.get("MS_ROLE") == "MS_WORKER":
+    """True when started by msrun (as a worker or its scheduler) or by the Ascend rank-table route."""
+    if os.environ.get("MS_ROLE") in ("MS_WORKER", "MS_SCHED"):
         return True
     return bool(os.environ.get("RANK_TABLE_FILE")) and int(os.environ.get("RANK_SIZE", "1")) > 1
 
 
 def launcher_rank() -> int:
-    """This process's rank as the launcher set it (0 when not distributed); valid before init()."""
+    """This process's rank as the launcher set it (0 when not distributed); valid before init().
+
+    msrun's scheduler gets SCHEDULER_RANK: it writes no files, and its init() serves the workers and
+    ends the process when they finish.
+    """
+    if os.environ.get("MS_ROLE") == "MS_SCHED":
+        return SCHEDULER_RANK
     return int(os.environ.get("RANK_ID", "0")) if launched_distributed() else 0
 
 
@@ -121,7 +130,7 @@ def init_env(config, logger: logging.Logger) -> RunEnv:
         return RunEnv(device_target=device)
     ms.set_device(device)  # the launcher hands out device ids
     from mindspore.communication import get_group_size, get_rank, init
-    init()
+    init()  # in msrun's scheduler process this serves the workers and never returns
     rank_id, group_size = get_rank(), get_group_size()
     ms.reset_auto_parallel_context()
     ms.set_auto_parallel_context(parallel_mode=ms.ParallelMode.DATA_PARALLEL, gradients_mean=True,
@@ -138,7 +147,7 @@ def get_logger(output_path: Optional[str] = None, log_name: str = "train.log", r
     for handler in list(logger.handlers):
         logger.removeHandler(handler)
         handler.close()
-    prefix = f"[rank {rank_id}] " if rank_id else ""
+    prefix = "[scheduler] " if rank_id == SCHEDULER_RANK else (f"[rank {rank_id}] " if rank_id else "")
     formatter = logging.Formatter(f"%(asctime)s {prefix}%(message)s", "%Y-%m-%d %H:%M:%S")
     console = logging.StreamHandler(sys.stdout)
     console.setFormatter(formatter)
