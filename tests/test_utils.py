@@ -8,7 +8,8 @@ import pytest
 
 from conftest import REPO, assert_one_line_error, run_script
 from src.errors import UserError
-from src.utils import ONEDNN_ISA_VARIABLE, apply_cpu_speed_setting, launched_distributed, select_device
+from src.utils import (ONEDNN_ISA_VARIABLE, SCHEDULER_RANK, apply_cpu_speed_setting, launched_distributed,
+                       launcher_rank, select_device)
 
 
 def test_auto_picks_cpu_here_and_logs_it(caplog):
@@ -37,8 +38,14 @@ def test_launcher_detection(monkeypatch):
     for name in ("MS_ROLE", "RANK_TABLE_FILE", "RANK_SIZE"):
         monkeypatch.delenv(name, raising=False)
     assert not launched_distributed()
+    assert launcher_rank() == 0
     monkeypatch.setenv("MS_ROLE", "MS_WORKER")
-    assert launched_distributed()
+    monkeypatch.setenv("RANK_ID", "1")
+    assert launched_distributed() and launcher_rank() == 1
+    # msrun runs the script as its scheduler too: distributed, but never rank 0 (it must write nothing).
+    monkeypatch.setenv("MS_ROLE", "MS_SCHED")
+    monkeypatch.setenv("RANK_ID", "0")
+    assert launched_distributed() and launcher_rank() == SCHEDULER_RANK
 
 
 def test_scripts_apply_the_speed_setting_unless_the_user_set_it(cifar_dir, tmp_path):
