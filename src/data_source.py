@@ -46,4 +46,5 @@ def prepare_data(config, logger: logging.Logger, training: bool = True) -> DataS
     if config.synthetic_data and not is_synthetic(data_path):
         raise UserError(f"synthetic_data is true but {data_path} holds other data; point data_path at an empty or "
                         "synthetic folder, or set synthetic_data false")
-    return DataSource(train_path=data_path, eval_path=eval_path, synthetic=is_synthetic(data_path) or is_synthetic(eval_path))
+    synthetic = is_synthetic(data_path) or is_synthetic(eval_path)
+    return DataSource(train_path=data_path, eval_path=eval_path, synthetic=synthetic)

@@ -296,8 +296,9 @@ class Trainer:
                 checkpoint = self.checkpoints.path("last")
             # MindSpore's graph runtime re-raises Ctrl-C during a step as SIGTERM: say so rather than confuse.
             note = " (Ctrl-C during a MindSpore step arrives as SIGTERM)" if signum == signal.SIGTERM else ""
-            self.logger.info("stopped by %s%s at epoch %d step %d; resume with --resume %s", signal.Signals(signum).name,
-                             note, self.state.epoch_num + 1, self.state.step_in_epoch, checkpoint)
+            self.logger.info("stopped by %s%s at epoch %d step %d; resume with --resume %s",
+                             signal.Signals(signum).name, note, self.state.epoch_num + 1, self.state.step_in_epoch,
+                             checkpoint)
         raise TrainingInterrupted(signum, checkpoint)
 
 

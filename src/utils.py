@@ -161,10 +161,14 @@ def get_logger(output_path: Optional[str] = None, log_name: str = "train.log", r
 
 
 def run_cli(main: Callable[[], int]) -> None:
-    """Runs a script's main(); a UserError becomes one 'error: ...' line on stderr and exit code 2."""
+    """Runs a script's main(); a UserError becomes one 'error: ...' line on stderr and exit code 2,
+    Ctrl-C outside the training loop (which saves a checkpoint first) the line 'interrupted' and 130."""
     try:
         code = main()
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         code = 2
+    except KeyboardInterrupt:  # before training started there is nothing to save
+        print("interrupted", file=sys.stderr, flush=True)
+        code = 130
     sys.exit(code or 0)

@@ -50,7 +50,8 @@ def test_launcher_detection(monkeypatch):
 
 def test_scripts_apply_the_speed_setting_unless_the_user_set_it(cifar_dir, tmp_path):
     env = {key: value for key, value in os.environ.items() if key != ONEDNN_ISA_VARIABLE}
-    args = ["--data_path", str(cifar_dir), "--output_path", str(tmp_path), "--checkpoint_path", str(tmp_path / "x.ckpt")]
+    args = ["--data_path", str(cifar_dir), "--output_path", str(tmp_path),
+            "--checkpoint_path", str(tmp_path / "x.ckpt")]
     default = subprocess.run([sys.executable, "eval.py", *args], cwd=REPO, env=env, capture_output=True, text=True,
                              timeout=300)
     assert "ONEDNN_MAX_CPU_ISA=AVX2 (project default)" in default.stdout, default.stdout[-2000:]
