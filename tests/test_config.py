@@ -144,3 +144,17 @@ def test_cli_refusal_is_one_line_and_exit_code_2():
     from conftest import run_script
     process = run_script("train.py", ["--batch_sise", "8"])
     assert_one_line_error(process, "batch_sise", "batch_size")
+
+
+def test_a_bool_key_alone_means_true():
+    config = load_config(["--dataset_sink_mode", "--lr", "0.1"])
+    assert config.dataset_sink_mode is True and config.lr == 0.1
+    assert load_config(["--verify"]).verify is True
+    assert load_config(["--verify", "FALSE"]).verify is False
+
+
+def test_positional_arguments_only_where_allowed():
+    config = load_config(["a.png", "--top_k", "3", "b.png", "--verify"], positional="images")
+    assert config.arguments == ("a.png", "b.png") and config.top_k == 3 and config.verify is True
+    with pytest.raises(UserError, match="unexpected command-line argument 'a.png'"):
+        load_config(["a.png"])

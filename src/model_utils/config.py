@@ -22,6 +22,7 @@ CHOICES: Dict[str, Tuple[str, ...]] = {
     "optimizer": ("adam", "momentum"),
     "lr_schedule": ("constant", "cosine", "step", "poly"),
     "amp_level": ("O0", "O1", "O2", "O3"),
+    "file_format": ("MINDIR", "ONNX", "AIR"),
 }
 
 # key -> (test, what the value must be)
@@ -48,6 +49,7 @@ VALUE_RULES: Dict[str, Tuple[Callable[[Any], bool], str]] = {
     "eval_interval": (lambda v: v >= 1, "at least 1"),
     "keep_checkpoint_max": (lambda v: v >= 1, "at least 1"),
     "log_interval": (lambda v: v >= 1, "at least 1"),
+    "top_k": (lambda v: v >= 1, "at least 1"),
 }
 
 
@@ -155,28 +157,44 @@ def _check_values(values: Dict[str, Any]) -> None:
                         f"'epoch_size' ({values['epoch_size']})")
 
 
-def _split_argv(argv: Sequence[str]) -> List[Tuple[str, str]]:
-    """--key value / --key=value pairs, in order."""
-    pairs = []
+def _split_argv(argv: Sequence[str], bool_keys: Sequence[str],
+                allow_positional: bool) -> Tuple[List[Tuple[str, str]], List[str]]:
+    """(--key value / --key=value pairs in order, positional arguments).
+
+    A bool key alone (--verify) means true unless true/false follows.
+    """
+    pairs, positional = [], []
     index = 0
     while index < len(argv):
         token = argv[index]
         if not token.startswith("--") or token == "--":
-            raise UserError(f"unexpected command-line argument {token!r}: options are --key value")
+            if not allow_positional:
+                raise UserError(f"unexpected command-line argument {token!r}: options are --key value")
+            positional.append(token)
+            index += 1
+            continue
         key, has_value, value = token[2:].partition("=")
         if not has_value:
-            if index + 1 >= len(argv) or argv[index + 1].startswith("--"):
+            following = argv[index + 1] if index + 1 < len(argv) else None
+            takes_following = following is not None and not following.startswith("--") and (
+                not allow_positional or following.lower() in ("true", "false"))
+            if key in bool_keys and not takes_following:
+                value = "true"
+            elif following is None or following.startswith("--"):
                 raise UserError(f"command-line option --{key} needs a value")
-            index += 1
-            value = argv[index]
+            else:
+                index += 1
+                value = following
         pairs.append((key, value))
         index += 1
-    return pairs
+    return pairs, positional
 
 
 def format_help(defaults: Dict[str, Any], descriptions: Dict[str, str], prog: str) -> str:
+    """The --help text: usage, then every key with its description, choices and default."""
     lines = [f"usage: {prog} [--config_path FILE] [--key value ...]", "",
-             "Any key below can be set on the command line; --config_path overlays a yaml file of keys.", ""]
+             "Any key below can be set on the command line (a bool key alone means true); --config_path "
+             "overlays a yaml file of keys.", ""]
     width = max(len(key) for key in defaults) + 2
     for key, default in defaults.items():
         choices = f" [{'|'.join(CHOICES[key])}]" if key in CHOICES else ""
@@ -185,9 +203,11 @@ def format_help(defaults: Dict[str, Any], descriptions: Dict[str, str], prog: st
 
 
 def load_config(argv: Optional[Sequence[str]] = None, default_path: Path = DEFAULT_CONFIG_PATH,
-                prog: str = "train.py") -> Config:
+                prog: str = "train.py", positional: str = "") -> Config:
     """Builds the configuration from default_path, --config_path and the --key value pairs of argv.
 
+    positional: when set (e.g. "images"), arguments that are not options are allowed and returned as
+    config.arguments; otherwise they are refused.
     Raises UserError for an unknown key, an unparseable or out-of-range value, or a missing file.
     `-h`/`--help` prints the keys and exits 0.
     """
@@ -200,7 +220,8 @@ def load_config(argv: Optional[Sequence[str]] = None, default_path: Path = DEFAU
         raise SystemExit(0)
 
     values = dict(defaults)
-    pairs = _split_argv(argv)
+    bool_keys = [key for key, value in defaults.items() if isinstance(value, bool)]
+    pairs, arguments = _split_argv(argv, bool_keys, allow_positional=bool(positional))
     config_paths = [value for key, value in pairs if key == "config_path"]
     if len(config_paths) > 1:
         raise UserError("--config_path was given more than once")
@@ -217,4 +238,5 @@ def load_config(argv: Optional[Sequence[str]] = None, default_path: Path = DEFAU
         values[key] = _coerce(key, value, defaults[key], "on the command line")
     _check_values(values)
     values["config_path"] = str(config_paths[0]) if config_paths else ""
+    values["arguments"] = tuple(arguments)
     return Config(values, descriptions)
