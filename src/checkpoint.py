@@ -1,16 +1,24 @@
-"""Checkpoint files: atomic, CRC-checked writes; reads that fail in one clear line; weight loading that
-checks the architecture and class count before touching the network."""
+"""Checkpoint files: atomic, CRC-checked writes; reads that fail in one clear line; SHA-256 pinning; and the one
+weight-loading path (load_weights) that reads this project's .ckpt, a PyTorch/torchvision .pth, a MindSpore
+models-zoo or a mindcv ResNet checkpoint, and checks the architecture and class count before touching the
+network."""
+import hashlib
+import logging
 import os
 import re
 import shutil
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+import numpy as np
 import mindspore as ms
 from mindspore import nn
 
+from src.checkpoint_formats import (FORMAT_TITLES, OURS, TORCH, ZOO, NameMatch, known_differences, match_names,
+                                    zoo_bn_eps)
 from src.errors import UserError
-from src.resnet import ARCHITECTURES, Bottleneck
+from src.resnet import ARCHITECTURES, BN_EPS, Bottleneck
 
 PARTIAL_DIR = ".partial"  # half-written files live here, never under their final name
 
@@ -44,15 +52,72 @@ def link_or_copy_atomic(source: Path, destination: Path) -> None:
     staging.unlink(missing_ok=True)
 
 
-def read_checkpoint(path: str) -> Dict[str, Any]:
-    """All entries of a MindSpore checkpoint (Parameters and appended values). Raises UserError."""
+# ------------------------------------------------------------------------------------------------ SHA-256 pins
+
+_HEX_DIGEST = re.compile(r"^[0-9a-f]{8,64}$")
+_CHUNK_BYTES = 1 << 20
+
+
+def normalise_sha256(expected: str, key: str = "checkpoint_sha256") -> str:
+    """expected in lower case ('' when unset); UserError unless it is 8 to 64 hex digits."""
+    text = (expected or "").strip().lower()
+    if text and not _HEX_DIGEST.match(text):
+        raise UserError(f"config key '{key}' must be a SHA-256 or a prefix of one (8 to 64 hex digits), got "
+                        f"{expected!r}")
+    return text
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for chunk in iter(lambda: handle.read(_CHUNK_BYTES), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def verify_sha256(path: Path, expected: str, fix: str = "use the pinned file or correct --checkpoint_sha256") -> str:
+    """Checks that path's SHA-256 starts with expected (a full digest or a prefix); returns the digest, '' when
+    expected is empty. Raises UserError naming the file, both digests and fix."""
+    expected = normalise_sha256(expected)
+    if not expected:
+        return ""
+    digest = file_sha256(Path(path))
+    if not digest.startswith(expected):
+        shown = expected if len(expected) == 64 else f"{expected}... (a prefix)"
+        raise UserError(f"{path} has SHA-256 {digest}, expected {shown}: it is damaged or not the pinned file; {fix}")
+    return digest
+
+
+def check_file_given(path: str) -> Path:
     file = Path(path)
     if not path:
         raise UserError("no checkpoint given: pass --checkpoint_path FILE.ckpt")
     if not file.is_file():
         raise UserError(f"checkpoint {file} does not exist")
+    return file
+
+
+# ------------------------------------------------------------------------------------------------------ reading
+
+TORCH_SUFFIXES = (".pth", ".pt", ".tar", ".bin")
+
+
+def is_torch_file(path: Path) -> bool:
+    """A PyTorch file, by its first bytes (torch.save's zip archive or a legacy pickle) or its suffix."""
+    with open(path, "rb") as handle:
+        head = handle.read(4)
+    return head == b"PK\x03\x04" or head[:1] == b"\x80" or Path(path).suffix.lower() in TORCH_SUFFIXES
+
+
+def read_checkpoint(path: str, sha256: str = "") -> Dict[str, Any]:
+    """All entries of a MindSpore checkpoint (Parameters and appended values). Raises UserError.
+
+    sha256: when set, the file's SHA-256 must start with it (checked before the file is parsed).
+    """
+    file = check_file_given(path)
     if file.stat().st_size == 0:
         raise UserError(f"checkpoint {file} is empty (0 bytes): the write was interrupted; use another checkpoint")
+    verify_sha256(file, sha256)
     try:
         entries = ms.load_checkpoint(str(file), crc_check=True)
     except (ValueError, RuntimeError, TypeError):
@@ -82,21 +147,23 @@ def describe_weights(entries: Dict[str, Any]) -> Tuple[Optional[str], Optional[i
     return architecture, class_num
 
 
-def network_weights(entries: Dict[str, Any], net: nn.Cell, path: str, model_name: str) -> Dict[str, Any]:
-    """The entries that are net's parameters, after checking the checkpoint fits net (else UserError).
+def network_weights(entries: Dict[str, Any], net: nn.Cell, path: str, model_name: str,
+                    skip: Sequence[str] = ()) -> Dict[str, Any]:
+    """The entries that are net's parameters (by this project's names), after checking the checkpoint fits net
+    (else UserError). Parameters named in skip are neither required nor returned.
 
     Optimizer moments and other training state in the file are ignored.
     """
-    wanted = {param.name: param for param in net.get_parameters()}
+    wanted = {param.name: param for param in net.get_parameters() if param.name not in skip}
+    found_arch, found_classes = describe_weights(entries)
+    if found_arch and found_arch != model_name:  # even when every wanted name is there (resnet34 -> resnet18)
+        raise UserError(f"checkpoint {path} holds {found_arch} weights, not {model_name}: "
+                        f"pass --model_name {found_arch} or another checkpoint")
     missing = [name for name in wanted if name not in entries]
     mismatched = [f"{name} {tuple(entries[name].shape)} vs {tuple(param.shape)}" for name, param in wanted.items()
                   if name in entries and tuple(entries[name].shape) != tuple(param.shape)]
     if missing or mismatched:
-        found_arch, found_classes = describe_weights(entries)
         expected_classes = int(wanted["fc.weight"].shape[0]) if "fc.weight" in wanted else None
-        if found_arch and found_arch != model_name:
-            raise UserError(f"checkpoint {path} holds {found_arch} weights, not {model_name}: "
-                            f"pass --model_name {found_arch} or another checkpoint")
         if found_classes is not None and found_classes != expected_classes:
             raise UserError(f"checkpoint {path} has a {found_classes}-class head, the network {expected_classes} "
                             f"classes: pass --class_num {found_classes} or another checkpoint")
@@ -112,9 +179,125 @@ def _list_some(items: List[str], label: str, limit: int = 3) -> List[str]:
     return [f"{len(items)} {label}: {', '.join(items[:limit])}{more}"]
 
 
-def load_weights(net: nn.Cell, path: str, model_name: str) -> Dict[str, Any]:
-    """Loads a checkpoint's network weights into net; returns all of the file's entries."""
-    entries = read_checkpoint(path)
-    weights = network_weights(entries, net, path, model_name)
-    ms.load_param_into_net(net, weights, strict_load=True)
-    return entries
+# ------------------------------------------------------------------------------------------------------ loading
+
+DEFAULT_LOGGER = "resnet"  # src.utils.get_logger's logger
+
+
+@dataclass
+class LoadReport:
+    """What load_weights_report did."""
+    path: str
+    fmt: str  # one of src.checkpoint_formats.FORMATS
+    entries: Dict[str, Any]  # every entry of the file as read (original names)
+    match: NameMatch
+    loaded: List[str] = field(default_factory=list)  # our parameter names set from the file
+    new_head: bool = False  # fc kept freshly initialised (allow_new_head and the file's head did not fit)
+    notes: List[str] = field(default_factory=list)  # known differences between the source network and ours
+
+
+def read_weight_file(path: str, sha256: str = "") -> Tuple[Dict[str, Any], Optional[str]]:
+    """(entries, TORCH for a PyTorch file else None) of a checkpoint in any accepted format; UserError otherwise."""
+    file = check_file_given(path)
+    if file.stat().st_size and is_torch_file(file):
+        from src.torch_convert import read_torch_state_dict
+        verify_sha256(file, sha256)
+        return read_torch_state_dict(str(file)), TORCH
+    return read_checkpoint(path, sha256), None
+
+
+def _array(value: Any) -> np.ndarray:
+    return value.asnumpy() if hasattr(value, "asnumpy") else np.asarray(value)
+
+
+def _head_to_reinitialise(renamed: Dict[str, Any], params: Dict[str, ms.Parameter]) -> Tuple[str, ...]:
+    """fc's parameter names when the file's head does not fit the network (another class count, or none)."""
+    head = tuple(name for name in params if name.startswith("fc."))
+    fits = all(name in renamed and tuple(renamed[name].shape) == tuple(params[name].shape) for name in head)
+    return () if fits else head
+
+
+def load_weights_report(net: nn.Cell, path: str, model_name: str, logger: Optional[logging.Logger] = None,
+                        sha256: str = "", allow_new_head: bool = False) -> LoadReport:
+    """Loads the network weights of a checkpoint in any accepted format into net and says what it did.
+
+    Formats: this project's .ckpt, a PyTorch/torchvision .pth (converted in memory), a MindSpore models-zoo
+    ResNet or a mindcv ResNet .ckpt (detected by their names). Training state (optimizer moments, EMA copies,
+    counters) is set aside. The file must hold model_name and every parameter of net, with net's shapes, else
+    UserError and net is untouched. allow_new_head: when the file's fc does not fit net (another class count),
+    fc keeps its fresh initialisation instead (fine-tuning). sha256 pins the file (a digest or a prefix).
+    """
+    logger = logger or logging.getLogger(DEFAULT_LOGGER)
+    entries, fmt = read_weight_file(path, sha256)
+    params = {param.name: param for param in net.get_parameters()}
+    match = match_names(entries, params, fmt)
+    state = set(match.training_state)
+    renamed: Dict[str, Any] = {}
+    for name, value in entries.items():
+        ours = match.renamed(name) if name not in state else None
+        if ours is not None and ours not in renamed and hasattr(value, "shape"):
+            renamed[ours] = value
+    skip = _head_to_reinitialise(renamed, params) if allow_new_head else ()
+    weights = network_weights(renamed, net, path, model_name, skip=skip)
+
+    basic_block = ARCHITECTURES[model_name][0] is not Bottleneck if model_name in ARCHITECTURES else True
+    arrays = {name: _array(value) for name, value in weights.items()}
+    if match.fmt == ZOO:
+        for name, value in arrays.items():
+            eps = zoo_bn_eps(name, basic_block)
+            if name.endswith(".moving_variance") and eps is not None and eps > BN_EPS:
+                arrays[name] = value + np.asarray(eps - BN_EPS, value.dtype)
+    not_loaded, _ = ms.load_param_into_net(
+        net, {name: ms.Parameter(ms.Tensor(value, dtype=params[name].dtype), name=name)
+              for name, value in arrays.items()}, strict_load=True)
+    not_loaded = [name for name in not_loaded if name not in skip]
+    if not_loaded:  # network_weights checked every name, so this would be a bug, not a user error
+        raise RuntimeError(f"load_param_into_net left {not_loaded[:3]} unloaded from {path}")
+
+    report = LoadReport(path=str(path), fmt=match.fmt, entries=entries, match=match, loaded=sorted(arrays),
+                        new_head=bool(skip), notes=known_differences(match.fmt, basic_block))
+    _log_report(report, renamed, params, logger)
+    return report
+
+
+def _log_report(report: LoadReport, renamed: Dict[str, Any], params: Dict[str, ms.Parameter],
+                logger: logging.Logger) -> None:
+    match = report.match
+    converted = "" if match.fmt == OURS else ", names converted in memory"
+    logger.info("weights: %s is a %s%s; %d parameters loaded", report.path, FORMAT_TITLES[match.fmt], converted,
+                len(report.loaded))
+    if match.prefix:
+        logger.info("weights: removed the wrapper prefix '%s' from the names", match.prefix)
+    if match.training_state:
+        logger.info("weights: set aside %d entries that are training state, not weights (optimizer state, "
+                    "counters%s): %s",
+                    len(match.training_state),
+                    ", EMA copies: the raw weights were loaded" if any(n.startswith("ema.") for n in
+                                                                        match.training_state) else "",
+                    _some(match.training_state))
+    if match.unmatched:
+        logger.info("weights: %d entries of %s are not parameters of this network and were not loaded: %s",
+                    len(match.unmatched), report.path, _some(match.unmatched))
+    if report.new_head:
+        fc = renamed.get("fc.weight")
+        if fc is not None and len(fc.shape) == 2:
+            found = f"has a {int(fc.shape[0])}-class head"
+        else:
+            found = "has no usable fc head"
+        logger.info("head: %s %s, this run has %d classes: fc.weight and fc.bias were NOT loaded and keep their "
+                    "fresh initialisation (re-initialised head)", report.path, found,
+                    int(params["fc.weight"].shape[0]))
+    for note in report.notes:
+        logger.info("weights: note: %s", note)
+
+
+def _some(names: List[str], limit: int = 4) -> str:
+    more = f", ... (+{len(names) - limit} more)" if len(names) > limit else ""
+    return ", ".join(names[:limit]) + more
+
+
+def load_weights(net: nn.Cell, path: str, model_name: str, logger: Optional[logging.Logger] = None,
+                 sha256: str = "", allow_new_head: bool = False) -> Dict[str, Any]:
+    """Loads a checkpoint's network weights into net (any accepted format, see load_weights_report); returns all
+    of the file's entries."""
+    return load_weights_report(net, path, model_name, logger, sha256, allow_new_head).entries

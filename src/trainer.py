@@ -20,6 +20,7 @@ from src.evaluation import EvalResult, average_batchnorm_statistics, evaluate
 from src.lr_schedule import schedule_from_config
 from src.metrics_file import MetricsFile
 from src.plotting import plot_training_curves
+from src.pretrained import load_pretrained
 from src.resnet import build_resnet
 from src.utils import RunEnv
 
@@ -172,6 +173,7 @@ class Trainer:
                                            env.group_size, env.rank_id, config.eval_num_samples,
                                            config.num_parallel_workers, config.seed)
         self.net = build_resnet(config.model_name, config.class_num, config.zero_init_residual)
+        load_pretrained(self.net, config, logger)  # --pretrained weights; the --resume file's checkpoint_sha256
         self.learning_rates = schedule_from_config(config, self.steps_per_epoch)
         self.optimizer = build_optimizer(config, self.net.trainable_params(), self.learning_rates)
         amp_level, loss_scale = resolve_amp(config, env.device_target, logger)

@@ -1,0 +1,217 @@
+"""Foreign ResNet checkpoint naming schemes -> this project's parameter names (torchvision's module names with
+MindSpore's BatchNorm fields). Pure name handling: no file is read and no network is built here.
+
+Schemes (each read from the network code that writes the checkpoints):
+- ours:   this project (src/resnet.py): conv1, bn1, layerN.I.{conv,bn}K, layerN.I.downsample.{0,1}, fc.
+- torch:  a PyTorch/torchvision state_dict: the same module names, BatchNorm fields weight/bias/running_mean/
+          running_var (+ num_batches_tracked); renamed by src.torch_convert.
+- zoo:    the MindSpore models zoo, official/cv/ResNet/src/resnet.py: the head is `end_point`, the shortcut
+          branch `down_sample_layer`, and the BasicBlock (ResNet-18/34) BatchNorms `bn1d`/`bn2d`.
+- mindcv: mindcv/models/resnet.py: the head is `classifier`, the shortcut branch `down_sample`.
+
+Everything else is named alike in all four (conv1, bn1, layer1..layer4, conv1..conv3, bn1..bn3, and MindSpore's
+gamma/beta/moving_mean/moving_variance in the three MindSpore schemes).
+
+Training state written next to the weights (optimizer moments, EMA copies, step counters, learning rates, loss
+scale, this project's resume fields) is recognised and set aside: see is_training_state.
+"""
+import re
+from dataclasses import dataclass, field
+from typing import Any, Collection, Dict, Iterable, List, Mapping, Optional
+
+from src.torch_convert import torch_to_mindspore_name
+
+OURS, TORCH, ZOO, MINDCV = "ours", "torch", "zoo", "mindcv"
+FORMATS = (OURS, TORCH, ZOO, MINDCV)
+FORMAT_TITLES = {
+    OURS: "this project's MindSpore checkpoint",
+    TORCH: "PyTorch/torchvision state_dict",
+    ZOO: "MindSpore models-zoo ResNet checkpoint (official/cv/ResNet)",
+    MINDCV: "mindcv ResNet checkpoint",
+}
+
+# Name components that differ from ours, per scheme (a component is a dot-separated part of a name).
+_COMPONENT_RENAMES: Dict[str, Dict[str, str]] = {
+    OURS: {},
+    ZOO: {"end_point": "fc", "down_sample_layer": "downsample", "bn1d": "bn1", "bn2d": "bn2"},
+    MINDCV: {"classifier": "fc", "down_sample": "downsample"},
+}
+
+# Scalars and schedules that trainers save next to the weights.
+TRAINING_STATE_NAMES = frozenset({
+    "global_step", "learning_rate", "momentum", "epoch_num", "step_num", "scale_sense", "loss_scale", "updates",
+    "current_iterator_step", "last_overflow_iterator_step", "beta1_power", "beta2_power",
+    # this project's resume fields (src/trainer.py)
+    "step_in_epoch", "steps_per_epoch", "best_top1", "epoch_loss_sum", "model_name", "class_num",
+})
+# Prefixes of per-parameter optimizer / training copies: <prefix>.<parameter name>.
+TRAINING_STATE_PREFIXES = frozenset({
+    "moments", "moment1", "moment2", "adam_m", "adam_v", "accum", "vhat", "mean_grad", "mean_square", "ema",
+    "grad_accumulation", "accu_grads",
+})
+# Prefixes a wrapper Cell without auto_prefix=False puts before every network parameter name.
+_WRAPPER_PREFIX = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*\.)+$")
+
+
+def to_our_name(name: str, fmt: str) -> Optional[str]:
+    """The name a checkpoint entry of scheme fmt has in this project; None for entries with no place here
+    (torch's num_batches_tracked)."""
+    if fmt == TORCH:
+        return torch_to_mindspore_name(name)
+    renames = _COMPONENT_RENAMES[fmt]
+    if not renames:
+        return name
+    return ".".join(renames.get(part, part) for part in name.split("."))
+
+
+def detect_format(names: Iterable[str]) -> str:
+    """The naming scheme of a set of MindSpore checkpoint names (ours when nothing foreign is seen)."""
+    hits = {ZOO: 0, MINDCV: 0, TORCH: 0}
+    for name in names:
+        parts = set(name.split("."))
+        if parts & set(_COMPONENT_RENAMES[ZOO]):
+            hits[ZOO] += 1
+        if parts & set(_COMPONENT_RENAMES[MINDCV]):
+            hits[MINDCV] += 1
+        if name.endswith((".running_mean", ".running_var", ".num_batches_tracked")):
+            hits[TORCH] += 1
+    best = max(hits, key=hits.get)
+    return best if hits[best] else OURS
+
+
+def find_wrapper_prefix(names: Collection[str]) -> str:
+    """A prefix such as 'network.' that a wrapping Cell put before every network name ('' if none).
+
+    Only when the file has no top-level conv1.weight, and only one candidate that is not training state.
+    """
+    if "conv1.weight" in names:
+        return ""
+    candidates = set()
+    for name in names:
+        if name.endswith(".conv1.weight") and not re.search(r"(^|\.)layer\d+\.", name):
+            prefix = name[:-len("conv1.weight")]
+            if _WRAPPER_PREFIX.match(prefix) and prefix.split(".")[0] not in TRAINING_STATE_PREFIXES:
+                candidates.add(prefix)
+    return candidates.pop() if len(candidates) == 1 else ""
+
+
+def is_training_state(name: str, fmt: str, our_names: Collection[str],
+                      network_modules: Optional[Collection[str]] = None) -> bool:
+    """Whether a checkpoint entry is training state rather than a weight: a known scalar or schedule
+    (global_step, learning_rate, epoch_num, ...), or a per-parameter copy <prefix>.<a parameter name>
+    (optimizer moments, EMA weights, accumulated gradients). num_batches_tracked counts too."""
+    if name in TRAINING_STATE_NAMES or name.endswith(".num_batches_tracked"):
+        return True
+    parts = name.split(".")
+    if len(parts) < 2:
+        return False
+    if parts[0] in TRAINING_STATE_PREFIXES:
+        return True
+    # Another prefix: only if it is not a module of the network (layer4.2.conv1.weight is a weight of a deeper
+    # network, not a copy of conv1.weight).
+    if network_modules is None:
+        network_modules = {our.split(".")[0] for our in our_names}
+    if to_our_name(parts[0], fmt) in network_modules:
+        return False
+    for start in range(1, len(parts)):
+        rest = to_our_name(".".join(parts[start:]), fmt)
+        if rest is not None and rest in our_names:
+            return True
+    return False
+
+
+def _size(value: Any) -> int:
+    """Number of elements of a tensor or array (0 for a string or other non-tensor value)."""
+    shape = getattr(value, "shape", None)
+    if shape is None:
+        return 0
+    size = 1
+    for dim in shape:
+        size *= int(dim)
+    return size
+
+
+@dataclass
+class NameMatch:
+    """How the names of a checkpoint relate to a network's parameters."""
+    fmt: str
+    prefix: str = ""  # wrapper prefix removed from the names, if any
+    mapping: Dict[str, str] = field(default_factory=dict)  # checkpoint name -> our parameter name
+    training_state: List[str] = field(default_factory=list)  # set aside: optimizer moments, counters, ...
+    unmatched: List[str] = field(default_factory=list)  # neither a parameter of the network nor training state
+    missing: List[str] = field(default_factory=list)  # parameters of the network the checkpoint lacks
+
+    def renamed(self, name: str) -> Optional[str]:
+        """Our name for any checkpoint name (also one the network does not have)."""
+        stripped = name[len(self.prefix):] if self.prefix and name.startswith(self.prefix) else name
+        return to_our_name(stripped, self.fmt)
+
+
+def match_names(names: Iterable[str], our_names: Collection[str], fmt: Optional[str] = None) -> NameMatch:
+    """Maps checkpoint names onto our_names (a network's parameter names); fmt is detected when None.
+
+    names may be a mapping name -> value: then values of at most one element (hyper-parameters and counters
+    an optimizer saves, such as momentum) count as training state too.
+    """
+    scalars = set()
+    if isinstance(names, Mapping):
+        scalars = {name for name, value in names.items() if _size(value) <= 1}
+    names = list(names)
+    fmt = fmt or detect_format(names)
+    match = NameMatch(fmt=fmt, prefix=find_wrapper_prefix(names) if fmt != TORCH else "")
+    found = set()
+    modules = {our.split(".")[0] for our in our_names}
+    for name in names:
+        ours = match.renamed(name)
+        if ours is not None and ours in our_names and ours not in found:
+            match.mapping[name] = ours
+            found.add(ours)
+        elif name in scalars or is_training_state(name, fmt, our_names, modules):
+            match.training_state.append(name)
+        else:
+            match.unmatched.append(name)
+    match.missing = [name for name in our_names if name not in found]
+    return match
+
+
+# ------------------------------------------------------------------------------------------ network differences
+
+ZOO_BN_EPS = 1e-4  # models zoo _bn(): eps 1e-4, except its res_base BatchNorms (ResNet-18/34 stem and shortcut)
+
+
+def zoo_bn_eps(our_name: str, basic_block: bool) -> Optional[float]:
+    """The BatchNorm eps the models zoo's network used for the BN parameter our_name (None: not a BN).
+
+    From official/cv/ResNet/src/resnet.py: _bn(channel) has eps 1e-4; _bn(channel, res_base=True) eps 1e-5. The
+    ResNet-18/34 network (res_base=True) builds its stem bn1 and shortcut BN with res_base and its block bn1d/bn2d
+    without; ResNet-50/101/152 build every BN without it.
+    """
+    module, _, fieldname = our_name.rpartition(".")
+    if fieldname not in ("gamma", "beta", "moving_mean", "moving_variance"):
+        return None
+    if basic_block and (module == "bn1" or module.endswith("downsample.1")):
+        return 1e-5
+    return ZOO_BN_EPS
+
+
+def known_differences(fmt: str, basic_block: bool) -> List[str]:
+    """One line per way the source network computes differently from ours with the same weights."""
+    if fmt == ZOO and basic_block:
+        return ["the models zoo's ResNet-18/34 pads like this network (pad_mode 'pad', nn.Pad + 'valid' max pool), "
+                "but its block BatchNorms (bn1d, bn2d) use eps 1e-4 where this network uses 1e-5: their "
+                "moving_variance is raised by 9e-5 so that inference gives the zoo network's outputs; in training "
+                "mode batches are normalised with eps 1e-5"]
+    if fmt == ZOO:
+        return ["the models zoo's ResNet-50/101/152 uses BatchNorm eps 1e-4 (this network 1e-5): every "
+                "moving_variance is raised by 9e-5 so that BatchNorm inference matches",
+                "the models zoo's ResNet-50/101/152 pads with pad_mode 'same' (7x7 stem conv: 2 rows/columns "
+                "top-left and 3 bottom-right; stride-2 3x3 convs and the max pool: 0 top-left, 1 bottom-right at "
+                "even sizes) where this network pads symmetrically like torchvision: outputs DIFFER from the zoo "
+                "network's (features shift by a pixel), so accuracy without fine-tuning is lower than the zoo "
+                "reports; fine-tune these weights (--pretrained) rather than evaluate them as they are"]
+    if fmt == MINDCV:
+        return ["mindcv's ResNet max pool uses pad_mode 'same' (0 top-left, 1 bottom-right at even sizes) where this "
+                "network pads 1 on every side like torchvision: outputs DIFFER from mindcv's network (features after "
+                "the stem shift by a pixel); convolutions and BatchNorm (eps 1e-5) are the same; fine-tune these "
+                "weights (--pretrained) rather than evaluate them as they are"]
+    return []
