@@ -1,4 +1,7 @@
-"""The one exception type for failures a user can cause and fix (bad data, checkpoint, config, device)."""
+"""The one exception type for failures a user can cause and fix (bad data, checkpoint, config, device),
+and the wrapper that turns it into one line and an exit code."""
+import sys
+from typing import Callable
 
 
 class UserError(Exception):
@@ -6,3 +9,17 @@ class UserError(Exception):
 
     Top-level scripts print it as a single line and exit non-zero instead of showing a traceback.
     """
+
+
+def run_cli(main: Callable[[], int]) -> None:
+    """Runs a script's main(); a UserError becomes one 'error: ...' line on stderr and exit code 2,
+    Ctrl-C outside the training loop (which saves a checkpoint first) the line 'interrupted' and 130."""
+    try:
+        code = main()
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        code = 2
+    except KeyboardInterrupt:  # before training started there is nothing to save
+        print("interrupted", file=sys.stderr, flush=True)
+        code = 130
+    sys.exit(code or 0)

@@ -11,6 +11,8 @@ import numpy as np
 import mindspore as ms
 from mindspore import nn
 
+from src.collectives import all_reduce_sum
+
 
 @dataclass
 class EvalResult:
@@ -54,11 +56,6 @@ def batch_statistics(logits: np.ndarray, labels: np.ndarray, class_num: int):
     return confusion, loss_sum, top5
 
 
-def _sum_over_ranks(values: np.ndarray) -> np.ndarray:
-    from mindspore import ops
-    return ops.AllReduce()(ms.Tensor(values)).asnumpy()
-
-
 def average_batchnorm_statistics(net: nn.Cell, group_size: int) -> None:
     """Replaces every rank's BatchNorm moving mean/variance by the average over ranks.
 
@@ -70,7 +67,7 @@ def average_batchnorm_statistics(net: nn.Cell, group_size: int) -> None:
         return
     stats = [param for param in net.get_parameters() if param.name.endswith((".moving_mean", ".moving_variance"))]
     flat = np.concatenate([param.asnumpy().ravel() for param in stats]).astype(np.float32)
-    averaged = _sum_over_ranks(flat) / group_size
+    averaged = all_reduce_sum(flat) / group_size
     offset = 0
     for param in stats:
         size = int(np.prod(param.shape))
@@ -92,7 +89,7 @@ def evaluate(net: nn.Cell, dataset, class_num: int, group_size: int = 1) -> Eval
     if group_size > 1:
         # One collective for all three; float32 holds counts exactly up to 2**24 images.
         packed = np.concatenate([confusion.ravel(), [loss_sum, top5]]).astype(np.float32)
-        packed = _sum_over_ranks(packed).astype(np.float64)
+        packed = all_reduce_sum(packed).astype(np.float64)
         confusion = np.rint(packed[:-2]).astype(np.int64).reshape(class_num, class_num)
         loss_sum, top5 = float(packed[-2]), int(round(packed[-1]))
     return EvalResult(confusion=confusion, loss_sum=loss_sum, top5_correct=top5)

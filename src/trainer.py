@@ -1,5 +1,6 @@
 """The training loop: epochs of TrainOneStepCell steps, evaluation, checkpoints, metrics.csv, curves,
 resuming and saving on SIGINT/SIGTERM."""
+import hashlib
 import logging
 import math
 import signal
@@ -13,6 +14,7 @@ import mindspore as ms
 from mindspore import nn
 
 from src.checkpoint import link_or_copy_atomic, network_weights, read_checkpoint, save_checkpoint_atomic
+from src.collectives import all_reduce_sum, barrier
 from src.data_source import DataSource, prepare_data
 from src.dataset import create_dataset
 from src.errors import UserError
@@ -72,6 +74,15 @@ class StopOnSignal:
     def __exit__(self, *exc_info) -> None:
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
+
+
+def weights_digest(net: nn.Cell) -> str:
+    """SHA-256 over every parameter (name, then bytes), in a fixed order."""
+    digest = hashlib.sha256()
+    for param in sorted(net.get_parameters(), key=lambda p: p.name):
+        digest.update(param.name.encode())
+        digest.update(np.ascontiguousarray(param.asnumpy()).tobytes())
+    return digest.hexdigest()
 
 
 def resolve_amp(config, device: str, logger: logging.Logger) -> Tuple[str, Optional[float]]:
@@ -210,6 +221,8 @@ class Trainer:
         with StopOnSignal() as stop:
             while state.epoch_num < config.epoch_size:
                 self._train_epoch(stop)
+        # Every rank logs it: equal digests show data-parallel ranks ended with identical weights.
+        self.logger.info("final weights sha256 %s", weights_digest(self.net))
         return state
 
     def _step_function(self, dataset):
@@ -244,16 +257,33 @@ class Trainer:
                             self.learning_rates[epoch * self.steps_per_epoch + step],
                             (state.step_in_epoch - last_reported_step) * images_per_step / max(now - last_report, 1e-9))
                 last_report, last_reported_step = now, state.step_in_epoch
-            if stop.signum is not None:
-                self._stop(stop.signum, save=True)
+            signum = self._agreed_stop(stop)
+            if signum is not None:
+                self._stop(signum, save=True)
         seconds = time.perf_counter() - started
         train_loss = state.epoch_loss_sum / self.steps_per_epoch
         state.epoch_num, state.step_in_epoch, state.epoch_loss_sum = epoch + 1, 0, 0.0
         average_batchnorm_statistics(self.net, self.env.group_size)  # before evaluating and saving
         result = self._evaluate_if_due()
         self._record_epoch(train_loss, seconds, (self.steps_per_epoch - first_step) * images_per_step, result)
-        if stop.signum is not None:  # arrived during evaluation: the epoch checkpoint is the resume point
-            self._stop(stop.signum, save=False)
+        signum = self._agreed_stop(stop)
+        if signum is not None:  # arrived during evaluation: the epoch checkpoint is the resume point
+            self._stop(signum, save=False)
+
+    def _agreed_stop(self, stop: StopOnSignal) -> Optional[int]:
+        """The signal that stops training, agreed by all ranks so they all stop after the same step.
+
+        A launcher sends SIGTERM to every worker, but not at the same instant: a rank that saw no signal
+        yet stops too. Ranks count [saw SIGINT, saw SIGTERM] (MindSpore's CPU AllReduce only sums); any
+        SIGTERM wins. Costs one tiny all-reduce per step.
+        """
+        if not self.env.distributed:
+            return stop.signum
+        seen = np.array([stop.signum == signal.SIGINT, stop.signum == signal.SIGTERM], np.float32)
+        saw_int, saw_term = all_reduce_sum(seen)
+        if saw_term:
+            return signal.SIGTERM
+        return signal.SIGINT if saw_int else None
 
     def _evaluate_if_due(self) -> Optional[EvalResult]:
         epoch = self.state.epoch_num
@@ -290,17 +320,20 @@ class Trainer:
                          path, " (best so far)" if is_best else "")
 
     def _stop(self, signum: int, save: bool) -> None:
-        checkpoint = None
-        if self.env.is_main_rank:
-            if save:
-                checkpoint = self.checkpoints.save_interrupted(self.train_step, self.state)
-            else:
-                checkpoint = self.checkpoints.path("last")
-            # MindSpore's graph runtime re-raises Ctrl-C during a step as SIGTERM: say so rather than confuse.
-            note = " (Ctrl-C during a MindSpore step arrives as SIGTERM)" if signum == signal.SIGTERM else ""
-            self.logger.info("stopped by %s%s at epoch %d step %d; resume with --resume %s",
-                             signal.Signals(signum).name, note, self.state.epoch_num + 1, self.state.step_in_epoch,
-                             checkpoint)
+        """Saves the resume point (rank 0), logs it on every rank and ends the run."""
+        checkpoint = self.checkpoints.path("interrupted" if save else "last")
+        if save:
+            # Each rank's moving statistics hold its own batches; their moving averages are linear in the
+            # starting value, so resuming every rank from the average ends where the uninterrupted run does.
+            average_batchnorm_statistics(self.net, self.env.group_size)
+            if self.env.is_main_rank:
+                self.checkpoints.save_interrupted(self.train_step, self.state)
+        if self.env.distributed:
+            barrier()  # the other ranks exit only after rank 0 has saved (a launcher kills the rest then)
+        # MindSpore's graph runtime re-raises Ctrl-C during a step as SIGTERM: say so rather than confuse.
+        note = " (from a launcher, or a Ctrl-C that MindSpore re-raised as SIGTERM)" if signum == signal.SIGTERM else ""
+        self.logger.info("stopped by %s%s at epoch %d step %d; resume with --resume %s", signal.Signals(signum).name,
+                         note, self.state.epoch_num + 1, self.state.step_in_epoch, checkpoint)
         raise TrainingInterrupted(signum, checkpoint)
 
 

