@@ -76,6 +76,23 @@ def shard_indices(total: int, training: bool, rank_size: int = 1, rank_id: int =
     return indices[rank_id::rank_size]
 
 
+def eval_transforms(target_hw: Tuple[int, int], source_hw: Tuple[int, int] = (32, 32)) -> list:
+    """Evaluation preprocessing of an RGB uint8 HWC image of source_hw pixels: Resize (bilinear) to
+    target_hw unless already that size, Rescale 1/255, Normalize with the reference mean/std, HWC2CHW.
+
+    create_dataset (CIFAR images are 32x32) and predict.py (any image) both use it.
+    """
+    transforms = []
+    if tuple(source_hw) != tuple(target_hw):
+        transforms.append(vision.Resize(tuple(int(v) for v in target_hw)))
+    transforms += [
+        vision.Rescale(1.0 / 255.0, 0.0),
+        vision.Normalize(list(CIFAR10_MEAN), list(CIFAR10_STD)),
+        vision.HWC2CHW(),
+    ]
+    return transforms
+
+
 def augmentation_seed(seed: int, epoch: int) -> int:
     """Seed of the random crops and flips in one epoch: a resumed run repeats them exactly."""
     return int(np.random.default_rng([seed, epoch, 1]).integers(0, 2**31 - 1))
@@ -104,13 +121,7 @@ def create_dataset(data_path: str, do_train: bool, batch_size: int = 32, image_s
     transforms = []
     if do_train:
         transforms += [vision.RandomCrop((32, 32), (4, 4, 4, 4)), vision.RandomHorizontalFlip(prob=0.5)]
-    if tuple(image_size) != (32, 32):  # resizing 32x32 to 32x32 is the identity
-        transforms.append(vision.Resize(tuple(image_size)))
-    transforms += [
-        vision.Rescale(1.0 / 255.0, 0.0),
-        vision.Normalize(list(CIFAR10_MEAN), list(CIFAR10_STD)),
-        vision.HWC2CHW(),
-    ]
+    transforms += eval_transforms(image_size)  # resizing 32x32 to 32x32 is skipped: it is the identity
     dataset = dataset.map(operations=TypeCast(ms.int32), input_columns="label")
     dataset = dataset.map(operations=transforms, input_columns="image", num_parallel_workers=workers)
     dataset = dataset.batch(batch_size, drop_remainder=do_train)
