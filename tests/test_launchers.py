@@ -132,18 +132,28 @@ def test_standalone_train_then_run_eval(cifar_dir, tmp_path, decoy_path):
     assert result["top1"] == pytest.approx(float(last_row[4]), abs=1e-6)
 
 
-def test_two_workers_identical_weights_rank0_outputs_and_matching_eval(cifar_dir, tmp_path, decoy_path):
-    out = tmp_path / "out"
-    process = launch("run_distribute_train.sh", [2, cifar_dir, "--output_path", out, "--epoch_size", "2",
-                                                 "--train_num_samples", "64", *SMALL],
+# 10 steps per rank per epoch, 2 epochs: long enough to stop mid-epoch in the SIGTERM test.
+DISTRIBUTED_ARGS = ["--epoch_size", "2", "--train_num_samples", "160", *SMALL]
+
+
+@pytest.fixture(scope="module")
+def two_worker_run(cifar_dir, tmp_path_factory, decoy_path):
+    """One uninterrupted 2-worker run (with a decoy `python` first on PATH), shared by the tests below."""
+    out = tmp_path_factory.mktemp("two-workers") / "out"
+    process = launch("run_distribute_train.sh", [2, cifar_dir, "--output_path", out, *DISTRIBUTED_ARGS],
                      env=launcher_env(PATH=decoy_path))
     assert process.returncode == 0, process.stdout[-3000:] + process.stderr[-3000:]
+    return out, process
+
+
+def test_two_workers_identical_weights_rank0_outputs_and_matching_eval(two_worker_run, cifar_dir, tmp_path):
+    out, process = two_worker_run
     logs = out / "msrun_log"
     assert f"per-rank logs: {logs}/worker_*.log" in process.stdout
     worker0, worker1 = logs / "worker_0.log", logs / "worker_1.log"
     assert "data-parallel training: rank 0 of 2" in worker0.read_text()
     assert "rank 1 of 2" in worker1.read_text()
-    assert "4 steps, batch 8 x 2 device(s)" in worker0.read_text()  # 64 images shared by 2 ranks
+    assert "10 steps, batch 8 x 2 device(s)" in worker0.read_text()  # 160 images shared by 2 ranks
     # Both ranks end with identical weights (BN statistics included: they are averaged over ranks).
     assert len(digests(worker0)) == 1 and digests(worker0) == digests(worker1)
     # Evaluation sums over ranks: both report the same numbers, over all 30 images.
@@ -221,14 +231,13 @@ def wait_for_text(path: Path, text: str, process: subprocess.Popen, timeout: flo
     raise AssertionError(f"{text!r} not seen in {path}")
 
 
-def test_sigterm_saves_and_a_resumed_distributed_run_ends_with_the_same_weights(cifar_dir, tmp_path):
-    args = [2, cifar_dir, "--epoch_size", "1", "--train_num_samples", "480", *SMALL]
-    straight = launch("run_distribute_train.sh", args + ["--output_path", tmp_path / "straight"])
-    assert straight.returncode == 0, straight.stdout[-3000:]
-
+def test_sigterm_saves_and_a_resumed_distributed_run_ends_with_the_same_weights(two_worker_run, cifar_dir,
+                                                                                 tmp_path):
+    straight, _ = two_worker_run
+    args = [2, cifar_dir, *DISTRIBUTED_ARGS]
     out = tmp_path / "stopped"
     launcher = start_launcher(args + ["--output_path", out], tmp_path / "launcher.log")
-    wait_for_text(out / "msrun_log" / "worker_1.log", "step 5/30", launcher)
+    wait_for_text(out / "msrun_log" / "worker_1.log", "epoch 1/2 step 5/10", launcher)
     launcher.send_signal(signal.SIGTERM)
     stopped_at = time.time()
     assert launcher.wait(timeout=90) == 128 + signal.SIGTERM
@@ -247,7 +256,7 @@ def test_sigterm_saves_and_a_resumed_distributed_run_ends_with_the_same_weights(
     # Trained weights and optimizer state are bit-identical to the uninterrupted run; BatchNorm moving
     # statistics (averaged over ranks, in another order of float additions) agree to rounding.
     import mindspore as ms
-    straight_ckpt = ms.load_checkpoint(str(tmp_path / "straight" / "resnet18-last.ckpt"))
+    straight_ckpt = ms.load_checkpoint(str(straight / "resnet18-last.ckpt"))
     resumed_ckpt = ms.load_checkpoint(str(out / "resnet18-last.ckpt"))
     for name, value in straight_ckpt.items():
         if isinstance(value, str) or not value.size:
