@@ -96,10 +96,16 @@ def resolve_amp(config, device: str, logger: logging.Logger) -> Tuple[str, Optio
 
 
 def build_optimizer(config, params, learning_rates: np.ndarray) -> nn.Optimizer:
+    """Adam or momentum SGD over params, with weight decay on every parameter as in torch.optim.
+
+    The parameters go in as one group: given a plain list, MindSpore's optimizers skip weight decay for
+    BatchNorm gamma/beta, which the reference's torch.optim.Adam does not.
+    """
     lr = ms.Tensor(learning_rates)
+    group = [{"params": list(params), "weight_decay": config.weight_decay}]
     if config.optimizer == "adam":
-        return nn.Adam(params, learning_rate=lr, weight_decay=config.weight_decay)
-    return nn.Momentum(params, learning_rate=lr, momentum=config.momentum, weight_decay=config.weight_decay)
+        return nn.Adam(group, learning_rate=lr)
+    return nn.Momentum(group, learning_rate=lr, momentum=config.momentum)
 
 
 def build_train_step(net: nn.Cell, optimizer: nn.Optimizer, config, amp_level: str,
