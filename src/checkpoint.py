@@ -2,7 +2,6 @@
 weight-loading path (load_weights) that reads this project's .ckpt, a PyTorch/torchvision .pth, a MindSpore
 models-zoo or a mindcv ResNet checkpoint, and checks the architecture and class count before touching the
 network."""
-import hashlib
 import logging
 import os
 import re
@@ -18,6 +17,7 @@ from mindspore import nn
 from src.checkpoint_formats import (FORMAT_TITLES, OURS, TORCH, ZOO, NameMatch, known_differences, match_names,
                                     zoo_bn_eps)
 from src.errors import UserError
+from src.file_hash import file_digest
 from src.resnet import ARCHITECTURES, BN_EPS, Bottleneck
 
 PARTIAL_DIR = ".partial"  # half-written files live here, never under their final name
@@ -55,7 +55,6 @@ def link_or_copy_atomic(source: Path, destination: Path) -> None:
 # ------------------------------------------------------------------------------------------------ SHA-256 pins
 
 _HEX_DIGEST = re.compile(r"^[0-9a-f]{8,64}$")
-_CHUNK_BYTES = 1 << 20
 
 
 def normalise_sha256(expected: str, key: str = "checkpoint_sha256") -> str:
@@ -68,11 +67,7 @@ def normalise_sha256(expected: str, key: str = "checkpoint_sha256") -> str:
 
 
 def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for chunk in iter(lambda: handle.read(_CHUNK_BYTES), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
+    return file_digest(path, "sha256")
 
 
 def verify_sha256(path: Path, expected: str, fix: str = "use the pinned file or correct --checkpoint_sha256") -> str:

@@ -16,17 +16,14 @@ from pathlib import Path
 
 from src.dataset import TRAIN_FILES
 from src.errors import UserError
+from src.file_hash import file_digest
 
 ARCHIVE_FOLDER = "cifar-10-batches-bin"  # the folder inside the official archive
 CHUNK_BYTES = 1 << 20
 
 
 def file_md5(path: Path) -> str:
-    digest = hashlib.md5()
-    with open(path, "rb") as handle:
-        for chunk in iter(lambda: handle.read(CHUNK_BYTES), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
+    return file_digest(path, "md5")
 
 
 def download_file(url: str, destination: Path, md5: str, logger: logging.Logger, timeout: float = 60.0) -> Path:
