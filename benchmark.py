@@ -1,75 +1,168 @@
-"""Training and inference throughput of this project's ResNet (MindSpore) next to torchvision's (PyTorch).
+"""Training and inference throughput of this project's ResNet (MindSpore) next to torchvision's (PyTorch),
+with MindSpore's achieved FLOP rate as a share of the machine's fp32 matrix-product (GEMM) rate.
 
-python benchmark.py [--sizes 32,224] [--modes train,eval] [--batch_size 32] [--repeats 3] [--output FILE]
+python benchmark.py [--sizes 32,224] [--modes train,eval] [--batch_size 32] [--repeats 3] [--gemm_size 3072]
+                    [--output FILE]
 
 Each (framework, mode, input size) runs in its own process: warmup steps (compilation included) are not
-timed, then --repeats timings of --steps steps; the table reports the median. Results go to stdout as a
-markdown table and to --output as JSON.
+timed, then --repeats timings of --steps steps; the table reports the median. The GEMM rate is timed the same
+way (one n x n product per timing, one process per backend: MindSpore ops.matmul with the oneDNN setting its
+model workers use, numpy, and torch.mm when torch is installed) before and after the model measurements; the
+fastest backend's median is the reference. FLOPs per image are counted from the network (see
+src.benchmark.FLOP_CONVENTION). Results go to stdout as a markdown table and to --output as JSON.
 """
 import argparse
 import datetime
+import importlib
+import importlib.metadata
 import json
 import os
 import platform
 import sys
+from dataclasses import asdict, replace
 from pathlib import Path
+from typing import Callable, List
 
-from src.benchmark import measure_here, measure_in_subprocess, table, to_json
+from src.benchmark import (GEMM_BACKENDS, flops_per_image, forward_macs, forward_macs_in_subprocess,
+                           measure_gemm_here, measure_gemm_in_subprocess, measure_here, measure_in_subprocess, table,
+                           to_json)
+from src.errors import UserError, run_cli
+
+# src.resnet.ARCHITECTURES, written out: importing src.resnet loads MindSpore, which the PyTorch and numpy
+# workers (this same script) must stay free of.
+ARCHITECTURES = ("resnet18", "resnet34", "resnet50", "resnet101", "resnet152")
+WORKERS = ("mindspore", "torch", "macs") + tuple(f"gemm-{backend}" for backend in GEMM_BACKENDS)
+
+
+class OneLineArgumentParser(argparse.ArgumentParser):
+    """argparse's usage errors as a UserError: one 'error: ...' line and exit code 2 (via run_cli)."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise UserError(f"{message} (see python benchmark.py --help)")
+
+
+def _int_at_least(minimum: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a whole number, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+        return value
+    return parse
+
+
+def _sizes(text: str) -> List[int]:
+    # 32 is the smallest input ResNet's five stride-2 stages leave a pixel of.
+    try:
+        return [_int_at_least(32)(part) for part in text.split(",")]
+    except argparse.ArgumentTypeError as exc:
+        raise argparse.ArgumentTypeError(f"comma-separated input sizes: {exc}") from None
+
+
+def _names(*allowed: str) -> Callable[[str], List[str]]:
+    def parse(text: str) -> List[str]:
+        names = text.split(",")
+        unknown = [name for name in names if name not in allowed]
+        if unknown:
+            raise argparse.ArgumentTypeError(f"unknown {', '.join(map(repr, unknown))}; "
+                                             f"choose from {', '.join(allowed)}")
+        return names
+    return parse
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sizes", default="32,224", help="input sizes, comma separated")
-    parser.add_argument("--modes", default="train,eval", help="train, eval or both")
-    parser.add_argument("--frameworks", default="mindspore,torch", help="mindspore, torch or both")
-    parser.add_argument("--model_name", default="resnet50")
-    parser.add_argument("--batch_size", type=int, default=32)
-    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=0, help="steps per repeat (0: 5 at 32x32, 1 at larger sizes)")
+    parser = OneLineArgumentParser(prog="benchmark.py", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes", type=_sizes, default="32,224", help="input sizes, comma separated")
+    parser.add_argument("--modes", type=_names("train", "eval"), default="train,eval", help="train, eval or both")
+    parser.add_argument("--frameworks", type=_names("mindspore", "torch"), default="mindspore,torch",
+                        help="mindspore, torch or both")
+    parser.add_argument("--model_name", choices=ARCHITECTURES, default="resnet50")
+    parser.add_argument("--batch_size", type=_int_at_least(1), default=32)
+    parser.add_argument("--threads", type=_int_at_least(1), default=os.cpu_count() or 1)
+    parser.add_argument("--warmup", type=_int_at_least(0), default=2)
+    parser.add_argument("--repeats", type=_int_at_least(1), default=3)
+    parser.add_argument("--steps", type=_int_at_least(0), default=0,
+                        help="steps per repeat (0: 5 at 32x32, 1 at larger sizes)")
+    parser.add_argument("--gemm_size", type=_int_at_least(1), default=3072,
+                        help="n of the n x n GEMM (3072: 58 GFLOP, about 0.3-0.8 s a product on 2 cores)")
     parser.add_argument("--output", default="benchmark.json")
-    parser.add_argument("--worker", choices=["mindspore", "torch"], help=argparse.SUPPRESS)
+    parser.add_argument("--worker", choices=WORKERS, help=argparse.SUPPRESS)
     return parser.parse_args(argv)
+
+
+def run_worker(args: argparse.Namespace) -> object:
+    """One measurement in this process (benchmark.py --worker ...), as JSON-ready data for the parent."""
+    if args.worker == "macs":
+        from src.model_utils.config import load_config
+        classes = load_config([], prog="benchmark.py").class_num
+        return {str(size): forward_macs(args.model_name, size, classes) for size in args.sizes}
+    if args.worker.startswith("gemm-"):
+        return asdict(measure_gemm_here(args.worker[len("gemm-"):], args.gemm_size, args.threads, args.warmup,
+                                        args.repeats))
+    return asdict(measure_here(args.worker, args.modes[0], args.model_name, args.sizes[0], args.batch_size,
+                               args.threads, args.warmup, args.repeats, args.steps or 1))
 
 
 def main() -> int:
     args = parse_args()
-    sizes = [int(size) for size in args.sizes.split(",")]
-    modes = args.modes.split(",")
-    if args.worker:  # one measurement, printed as JSON for the parent process
-        measurement = measure_here(args.worker, modes[0], args.model_name, sizes[0], args.batch_size, args.threads,
-                                   args.warmup, args.repeats, args.steps or 1)
-        print(json.dumps(dict(vars(measurement))))
+    if args.worker:
+        print(json.dumps(run_worker(args)))
         return 0
-    frameworks = args.frameworks.split(",")
-    if "torch" in frameworks:
-        try:
-            import torch  # noqa: F401
-            import torchvision  # noqa: F401
-        except ImportError:
-            print("PyTorch/torchvision not installed: measuring MindSpore only", file=sys.stderr)
-            frameworks = [f for f in frameworks if f != "torch"]
+    output = Path(args.output)
+    if not output.parent.is_dir():  # found out now, not after minutes of measuring
+        raise UserError(f"--output {output}: folder {output.parent} does not exist")
+    frameworks = args.frameworks
+    torch_version = _import_version("torch")
+    if "torch" in frameworks and (torch_version is None or _import_version("torchvision") is None):
+        print("PyTorch/torchvision not usable: measuring MindSpore only", file=sys.stderr)
+        frameworks = [f for f in frameworks if f != "torch"]
+    gemm_backends = [b for b in GEMM_BACKENDS if b != "torch" or torch_version is not None]
+
+    def measure_gemms(phase: str) -> list:
+        gemms = []
+        for backend in gemm_backends:
+            print(f"measuring GEMM {backend} ({phase}) ...", file=sys.stderr, flush=True)
+            gemms.append(measure_gemm_in_subprocess(backend, args.gemm_size, args.threads, args.warmup, args.repeats,
+                                                    phase))
+        return gemms
+
+    print(f"counting {args.model_name} FLOPs ...", file=sys.stderr, flush=True)
+    macs = forward_macs_in_subprocess(args.model_name, args.sizes, args.threads)
+    # GEMM both before and after the models: the machine has slow phases, and the two rounds show drift across
+    # the run; the reference pools both rounds' timings, so one phase doesn't decide it.
+    gemms = measure_gemms("before")
     measurements = []
-    for size in sizes:
-        for mode in modes:
+    for size in args.sizes:
+        for mode in args.modes:
             for framework in frameworks:
                 steps = args.steps or (5 if size <= 64 else 1)
                 print(f"measuring {framework} {mode} {size}x{size} ...", file=sys.stderr, flush=True)
-                measurements.append(measure_in_subprocess(framework, mode, args.model_name, size, args.batch_size,
-                                                          args.threads, args.warmup, args.repeats, steps))
-    import mindspore
+                measurement = measure_in_subprocess(framework, mode, args.model_name, size, args.batch_size,
+                                                    args.threads, args.warmup, args.repeats, steps)
+                measurements.append(replace(measurement, flops_per_image=flops_per_image(macs[size], mode)))
+    gemms += measure_gemms("after")
     environment = {"date": datetime.date.today().isoformat(), "machine": platform.machine(),
                    "processor": _cpu_name(), "cores": str(os.cpu_count()), "python": platform.python_version(),
-                   "mindspore": mindspore.__version__, "model": args.model_name,
+                   "mindspore": importlib.metadata.version("mindspore"), "model": args.model_name,
                    "ONEDNN_MAX_CPU_ISA": os.environ.get("ONEDNN_MAX_CPU_ISA", "AVX2 (project default)")}
-    if "torch" in frameworks:
-        import torch
-        environment["torch"] = torch.__version__
+    if torch_version:
+        environment["torch"] = torch_version
     print(" ".join(f"{k}={v}" for k, v in environment.items()))
-    print(table(measurements))
-    Path(args.output).write_text(json.dumps(to_json(measurements, environment), indent=2) + "\n")
+    print(table(measurements, gemms, args.model_name))
+    output.write_text(json.dumps(to_json(measurements, environment, gemms, macs), indent=2) + "\n")
     return 0
+
+
+def _import_version(module: str):
+    """The module's version, or None when it does not import (torchvision's CUDA wheels next to a CPU-only torch
+    fail with a RuntimeError, not an ImportError)."""
+    try:
+        return getattr(importlib.import_module(module), "__version__", "unknown")
+    except Exception as exc:  # noqa: BLE001 (any import failure means: not usable here)
+        print(f"{module} does not import ({type(exc).__name__}: {str(exc)[:200]})", file=sys.stderr)
+        return None
 
 
 def _cpu_name() -> str:
@@ -83,4 +176,4 @@ def _cpu_name() -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_cli(main)

@@ -1,5 +1,8 @@
 """Throughput of ResNet training steps and inference forward passes, MindSpore (this project's code)
-against PyTorch/torchvision, each measurement in its own process so thread pools don't interfere."""
+against PyTorch/torchvision, each measurement in its own process so thread pools don't interfere; the FLOP
+count of the network and the machine's fp32 matrix-product (GEMM) rate, to put the throughput in perspective.
+See FLOP_CONVENTION for what is counted.
+"""
 import json
 import os
 import statistics
@@ -8,11 +11,16 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable, Dict, List, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
+GEMM_BACKENDS = ("mindspore", "numpy", "torch")  # ops.matmul (oneDNN), numpy.matmul (OpenBLAS), torch.mm (MKL)
+TRAIN_FLOPS_FACTOR = 3  # forward + backward-data + backward-weights, each about the forward's multiply-adds
+FLOP_CONVENTION = ("2 flops per multiply-add of the network's convolutions and fully connected layer (BatchNorm, "
+                   "ReLU, pooling, residual adds and the optimizer not counted); a training step counts 3 x the "
+                   "forward pass (forward, backward-data, backward-weights)")
 
 
 @dataclass
@@ -23,10 +31,30 @@ class Measurement:
     batch_size: int
     threads: int
     seconds_per_step: List[float]
+    flops_per_image: Optional[int] = None  # filled in by the parent process (see flops_per_image)
 
     @property
     def images_per_second(self) -> float:
         return self.batch_size / statistics.median(self.seconds_per_step)
+
+    @property
+    def gflops_per_second(self) -> Optional[float]:
+        return None if self.flops_per_image is None else self.flops_per_image * self.images_per_second / 1e9
+
+
+@dataclass
+class GemmMeasurement:
+    """Timings of n x n fp32 matrix products with one backend (one product per timing)."""
+    backend: str
+    n: int
+    threads: int
+    onednn_max_cpu_isa: Optional[str]  # as the worker saw it: MindSpore's oneDNN honours it, OpenBLAS/MKL don't
+    seconds: List[float]
+    phase: str = ""  # "before" or "after" the model measurements
+
+    @property
+    def gflops_per_second(self) -> float:
+        return 2 * self.n ** 3 / statistics.median(self.seconds) / 1e9
 
 
 def _time_steps(run_step: Callable[[], None], warmup: int, repeats: int, steps: int) -> List[float]:
@@ -40,6 +68,21 @@ def _time_steps(run_step: Callable[[], None], warmup: int, repeats: int, steps: 
             run_step()
         timings.append((time.perf_counter() - started) / steps)
     return timings
+
+
+def _worker_env(threads: int) -> Dict[str, str]:
+    # OpenBLAS (numpy) reads OPENBLAS_NUM_THREADS before OMP_NUM_THREADS: set both so every backend gets `threads`.
+    return dict(os.environ, OMP_NUM_THREADS=str(threads), OPENBLAS_NUM_THREADS=str(threads),
+                GLOG_v=os.environ.get("GLOG_v", "3"))
+
+
+def _run_worker(args: List[str], threads: int, what: str):
+    """Runs benchmark.py as a worker process and returns the JSON it prints last."""
+    command = [sys.executable, str(REPO / "benchmark.py"), *args, "--threads", str(threads)]
+    process = subprocess.run(command, cwd=REPO, env=_worker_env(threads), capture_output=True, text=True)
+    if process.returncode != 0:
+        raise RuntimeError(f"{what}: worker failed:\n{process.stderr[-3000:]}")
+    return json.loads(process.stdout.strip().splitlines()[-1])
 
 
 def mindspore_step(mode: str, model_name: str, image_size: int, batch_size: int,
@@ -111,23 +154,120 @@ def measure_here(framework: str, mode: str, model_name: str, image_size: int, ba
 
 def measure_in_subprocess(framework: str, mode: str, model_name: str, image_size: int, batch_size: int, threads: int,
                           warmup: int, repeats: int, steps: int) -> Measurement:
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads), GLOG_v=os.environ.get("GLOG_v", "3"))
-    args = [sys.executable, str(REPO / "benchmark.py"), "--worker", framework, "--modes", mode, "--model_name",
-            model_name, "--sizes", str(image_size), "--batch_size", str(batch_size), "--threads", str(threads),
-            "--warmup", str(warmup), "--repeats", str(repeats), "--steps", str(steps)]
-    process = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True)
-    if process.returncode != 0:
-        raise RuntimeError(f"{framework} {mode} {image_size}: worker failed:\n{process.stderr[-3000:]}")
-    return Measurement(**json.loads(process.stdout.strip().splitlines()[-1]))
+    args = ["--worker", framework, "--modes", mode, "--model_name", model_name, "--sizes", str(image_size),
+            "--batch_size", str(batch_size), "--warmup", str(warmup), "--repeats", str(repeats), "--steps", str(steps)]
+    return Measurement(**_run_worker(args, threads, f"{framework} {mode} {image_size}"))
 
 
-def table(measurements: Sequence[Measurement]) -> str:
-    """Markdown table: images/s of each framework and the MindSpore/PyTorch ratio."""
+def measure_gemm_here(backend: str, n: int, threads: int, warmup: int, repeats: int) -> GemmMeasurement:
+    """Times `repeats` products of two random n x n float32 matrices after max(warmup, 1) untimed ones (the first
+    pays for allocation and thread start-up). The MindSpore backend caps oneDNN's ISA as the model workers do."""
+    rng = np.random.default_rng(0)
+    a, b = (rng.standard_normal((n, n), np.float32) for _ in range(2))
+    isa = os.environ.get("ONEDNN_MAX_CPU_ISA")
+    if backend == "mindspore":
+        import mindspore as ms
+        from mindspore import ops
+        from src.utils import apply_cpu_speed_setting
+
+        isa = apply_cpu_speed_setting()
+        a, b = ms.Tensor(a), ms.Tensor(b)
+        product = lambda: ops.matmul(a, b).asnumpy()  # noqa: E731 (asnumpy waits for PyNative's async launch)
+    elif backend == "torch":
+        import torch
+
+        torch.set_num_threads(threads)
+        a, b = torch.from_numpy(a), torch.from_numpy(b)
+        product = lambda: torch.mm(a, b)  # noqa: E731
+    elif backend == "numpy":
+        product = lambda: np.matmul(a, b)  # noqa: E731
+    else:
+        raise ValueError(f"unknown GEMM backend {backend!r}; choose one of {', '.join(GEMM_BACKENDS)}")
+    timings = _time_steps(product, max(warmup, 1), repeats, 1)
+    return GemmMeasurement(backend, n, threads, isa, timings)
+
+
+def measure_gemm_in_subprocess(backend: str, n: int, threads: int, warmup: int, repeats: int,
+                               phase: str) -> GemmMeasurement:
+    args = ["--worker", f"gemm-{backend}", "--gemm_size", str(n), "--warmup", str(warmup), "--repeats", str(repeats)]
+    return GemmMeasurement(**dict(_run_worker(args, threads, f"GEMM {backend}"), phase=phase))
+
+
+def gemm_rates(gemms: Sequence[GemmMeasurement]) -> Dict[str, float]:
+    """GFLOP/s of each backend: 2 n^3 over the median of all its timings, whichever phase they come from."""
+    timings: Dict[str, List[float]] = {}
+    for gemm in gemms:
+        timings.setdefault(gemm.backend, []).extend(gemm.seconds)
+    return {backend: 2 * gemms[0].n ** 3 / statistics.median(seconds) / 1e9 for backend, seconds in timings.items()}
+
+
+def forward_macs(model_name: str, image_size: int, num_classes: int) -> int:
+    """Multiply-adds of one image's forward pass through build_resnet(model_name, num_classes) at
+    image_size x image_size: every nn.Conv2d (output elements x in_channels/group x kernel area) and nn.Dense
+    (in x out), with the shapes read by forward hooks during a PyNative forward pass at batch 1.
+
+    Caps oneDNN's ISA (apply_cpu_speed_setting) in this process: without it the pass takes seconds at 224.
+    """
+    import mindspore as ms
+    from mindspore import nn
+    from src.resnet import build_resnet
+    from src.utils import apply_cpu_speed_setting
+
+    apply_cpu_speed_setting()
+    counts: List[int] = []
+
+    def count(cell: nn.Cell, inputs, output) -> None:
+        if isinstance(cell, nn.Conv2d):
+            kernel_h, kernel_w = cell.kernel_size
+            counts.append(int(np.prod(output.shape)) * (cell.in_channels // cell.group) * kernel_h * kernel_w)
+        else:
+            counts.append(int(np.prod(output.shape)) * cell.in_channels)
+
+    previous_mode = ms.get_context("mode")
+    ms.set_context(mode=ms.PYNATIVE_MODE)  # Cell forward hooks are a PyNative (dynamic graph) feature
+    try:
+        net = build_resnet(model_name, num_classes)
+        net.set_train(False)
+        for _, cell in net.cells_and_names():
+            if isinstance(cell, (nn.Conv2d, nn.Dense)):
+                cell.register_forward_hook(count)
+        net(ms.Tensor(np.zeros((1, 3, image_size, image_size), np.float32)))
+    finally:
+        ms.set_context(mode=previous_mode)
+    return sum(counts)
+
+
+def forward_macs_in_subprocess(model_name: str, sizes: Sequence[int], threads: int) -> Dict[int, int]:
+    """forward_macs at each size with this project's class count (config class_num), in a worker process:
+    this process stays free of MindSpore and of the oneDNN setting, which the PyTorch workers must not inherit."""
+    args = ["--worker", "macs", "--model_name", model_name, "--sizes", ",".join(map(str, sizes))]
+    return {int(size): macs for size, macs in _run_worker(args, threads, "FLOP count").items()}
+
+
+def flops_per_image(macs: int, mode: str) -> int:
+    """2 flops per multiply-add; a training step is 3 forward passes' worth (forward, backward-data, -weights)."""
+    return 2 * macs * (TRAIN_FLOPS_FACTOR if mode == "train" else 1)
+
+
+def _percent_of(rate: Optional[float], reference: Optional[float]) -> Optional[float]:
+    return None if rate is None or not reference else 100 * rate / reference
+
+
+def table(measurements: Sequence[Measurement], gemms: Sequence[GemmMeasurement] = (),
+          model_name: str = "resnet50") -> str:
+    """Markdown table: images/s of each framework, the MindSpore/PyTorch ratio and MindSpore's FLOP rate, absolute
+    and as a percentage of the fastest GEMM; a footer states the FLOP convention and the GEMM rates."""
     def rate(found: Dict[str, Measurement], framework: str) -> str:
         return f"{found[framework].images_per_second:.1f}" if framework in found else "-"
 
-    rows = ["| mode | input | batch | threads | MindSpore img/s | PyTorch img/s | MindSpore / PyTorch |",
-            "|---|---|---|---|---|---|---|"]
+    def number(value: Optional[float], digits: int) -> str:
+        return "-" if value is None else f"{value:.{digits}f}"
+
+    rates = gemm_rates(gemms) if gemms else {}
+    reference = max(rates.values(), default=None)
+    header = ("| mode | input | batch | threads | MindSpore img/s | PyTorch img/s | MindSpore / PyTorch "
+              "| GFLOP/image | MindSpore GFLOP/s | MindSpore % of GEMM |")
+    rows = [header, "|---|---|---|---|---|---|---|---|---|---|"]
     keys = sorted({(m.mode, m.image_size) for m in measurements}, key=lambda k: (k[0] != "train", k[1]))
     for mode, size in keys:
         found = {m.framework: m for m in measurements if (m.mode, m.image_size) == (mode, size)}
@@ -135,11 +275,43 @@ def table(measurements: Sequence[Measurement]) -> str:
         if "mindspore" in found and "torch" in found:
             ratio = f"{found['mindspore'].images_per_second / found['torch'].images_per_second:.2f}x"
         first = next(iter(found.values()))
+        ours = found["mindspore"].gflops_per_second if "mindspore" in found else None
+        per_image = None if first.flops_per_image is None else first.flops_per_image / 1e9
         rows.append(f"| {mode} | {size}x{size} | {first.batch_size} | {first.threads} | {rate(found, 'mindspore')} | "
-                    f"{rate(found, 'torch')} | {ratio} |")
+                    f"{rate(found, 'torch')} | {ratio} | {number(per_image, 3)} | {number(ours, 1)} | "
+                    f"{number(_percent_of(ours, reference), 1)} |")
+    rows += ["", f"GFLOP/image of {model_name}: {FLOP_CONVENTION}."]
+    if gemms:
+        phases = list(dict.fromkeys(g.phase for g in gemms))
+        timings = sum(len(g.seconds) for g in gemms if g.backend == gemms[0].backend)
+        isa = ", ".join(sorted({str(g.onednn_max_cpu_isa) for g in gemms if g.backend == "mindspore"}))
+
+        def describe(backend: str) -> str:  # pooled rate, then each phase's: a large spread means the machine drifted
+            notes = [f"{g.phase} {g.gflops_per_second:.1f}" for g in gemms if g.backend == backend]
+            notes += [f"ONEDNN_MAX_CPU_ISA={isa}"] if backend == "mindspore" else []
+            return f"{backend} {rates[backend]:.1f} ({', '.join(notes)})"
+        described = ", ".join(map(describe, rates))
+        rows.append(f"GEMM: fp32 {gemms[0].n}x{gemms[0].n} matrix products, {gemms[0].threads} threads, median of "
+                    f"{timings} per backend ({' and '.join(phases)} the models): {described} GFLOP/s; "
+                    f"% of GEMM is against the fastest, {reference:.1f} GFLOP/s.")
     return "\n".join(rows)
 
 
-def to_json(measurements: Sequence[Measurement], environment: Dict[str, str]) -> Dict:
-    return {"environment": environment,
-            "measurements": [dict(asdict(m), images_per_second=m.images_per_second) for m in measurements]}
+def to_json(measurements: Sequence[Measurement], environment: Dict[str, str],
+            gemms: Sequence[GemmMeasurement] = (), macs: Optional[Dict[int, int]] = None) -> Dict:
+    """Everything measured: each model measurement with its FLOP rate (PyTorch's with the same count) and share
+    of the GEMM rate, the forward multiply-adds per input size, and every GEMM timing."""
+    rates = gemm_rates(gemms) if gemms else {}
+    reference = max(rates.values(), default=None)
+    result: Dict = {"environment": environment}
+    result["flops"] = {"convention": FLOP_CONVENTION,
+                       "forward_macs_per_image": {str(size): count for size, count in (macs or {}).items()}}
+    result["gemm"] = {"reference_gflops_per_second": reference,  # the fastest backend's: the practical limit
+                      "reference_backend": max(rates, key=rates.get) if rates else None,
+                      "gflops_per_second_by_backend": rates,
+                      "measurements": [dict(asdict(g), gflops_per_second=g.gflops_per_second) for g in gemms]}
+    result["measurements"] = [dict(asdict(m), images_per_second=m.images_per_second,
+                                   gflops_per_second=m.gflops_per_second,
+                                   percent_of_gemm=_percent_of(m.gflops_per_second, reference))
+                              for m in measurements]
+    return result

@@ -1,0 +1,142 @@
+"""benchmark.py: the FLOP count of the network, the GEMM rate, the FLOP-rate columns and the one-line errors.
+
+Kept cheap (the suite is near its time budget): one end-to-end run with tiny settings, the rest in-process.
+"""
+import importlib.util
+import json
+import math
+import os
+
+import pytest
+
+from conftest import assert_one_line_error, run_script
+from src.benchmark import (FLOP_CONVENTION, GemmMeasurement, Measurement, flops_per_image, forward_macs, gemm_rates,
+                           measure_gemm_here, table, to_json)
+
+TORCH_USABLE = all(importlib.util.find_spec(name) for name in ("torch", "torchvision"))
+
+
+def analytic_macs(model_name: str, size: int, num_classes: int) -> int:
+    """Conv + fc multiply-adds of torchvision's ResNet worked out from the architecture on paper, without the
+    network: stem 7x7/2 conv, 3x3/2 max pool, four stages (stride on the 3x3 conv), projection shortcuts."""
+    bottleneck, layers = {"resnet18": (False, [2, 2, 2, 2]), "resnet50": (True, [3, 4, 6, 3])}[model_name]
+    expansion = 4 if bottleneck else 1
+
+    def out(h: int, kernel: int, stride: int, pad: int) -> int:
+        return (h + 2 * pad - kernel) // stride + 1
+
+    h = out(size, 7, 2, 3)
+    macs = h * h * 64 * 3 * 7 * 7
+    h = out(h, 3, 2, 1)
+    inplanes = 64
+    for stage, (planes, blocks) in enumerate(zip([64, 128, 256, 512], layers)):
+        for block in range(blocks):
+            stride = 2 if stage > 0 and block == 0 else 1
+            h_out = out(h, 3, stride, 1)
+            if bottleneck:
+                macs += h * h * inplanes * planes + h_out ** 2 * planes * planes * 9 + h_out ** 2 * planes * planes * 4
+            else:
+                macs += h_out ** 2 * inplanes * planes * 9 + h_out ** 2 * planes * planes * 9
+            if stride != 1 or inplanes != planes * expansion:
+                macs += h_out ** 2 * inplanes * planes * expansion
+            inplanes, h = planes * expansion, h_out
+    return macs + inplanes * num_classes
+
+
+def test_resnet50_at_224_counts_torchvisions_4_09_gmacs():
+    macs = forward_macs("resnet50", 224, 1000)
+    assert macs == analytic_macs("resnet50", 224, 1000) == 4_089_184_256
+    assert round(macs / 1e9, 2) == 4.09  # torchvision's documented "4.09 GFLOPS" (multiply-adds)
+
+
+@pytest.mark.parametrize("model_name, size", [("resnet50", 32), ("resnet18", 64)])
+def test_count_follows_the_input_size_and_block_type(model_name, size):
+    macs = forward_macs(model_name, size, 10)
+    assert macs == analytic_macs(model_name, size, 10)
+    if model_name == "resnet50":  # about 1/49 of the 224 count; the 7x7 stem and the edges differ
+        assert 45 < analytic_macs("resnet50", 224, 10) / macs < 49
+
+
+def test_training_counts_three_forward_passes():
+    assert flops_per_image(1000, "eval") == 2000
+    assert flops_per_image(1000, "train") == 6000
+
+
+@pytest.mark.parametrize("backend", ["numpy", "mindspore"])
+def test_gemm_measurement_times_each_product(backend):
+    gemm = measure_gemm_here(backend, 128, 2, warmup=1, repeats=3)
+    assert (gemm.backend, gemm.n, len(gemm.seconds)) == (backend, 128, 3)
+    assert all(s > 0 for s in gemm.seconds)
+    assert 0 < gemm.gflops_per_second < 1e5 and math.isfinite(gemm.gflops_per_second)
+    if backend == "mindspore":  # the same oneDNN setting as the MindSpore model workers
+        assert gemm.onednn_max_cpu_isa == os.environ["ONEDNN_MAX_CPU_ISA"]  # conftest sets AVX2 unless set
+
+
+def test_gemm_measurement_refuses_an_unknown_backend():
+    with pytest.raises(ValueError, match="unknown GEMM backend"):
+        measure_gemm_here("blas", 8, 1, warmup=0, repeats=1)
+
+
+def test_rates_pool_phases_and_percentages_use_the_fastest_backend():
+    n = 1000  # 2e9 flops a product
+    gemms = [GemmMeasurement("numpy", n, 2, None, [1.0, 1.0], "before"),
+             GemmMeasurement("mindspore", n, 2, "AVX2", [4.0, 4.0], "before"),
+             GemmMeasurement("numpy", n, 2, None, [4.0], "after")]
+    assert gemm_rates(gemms) == {"numpy": 2.0, "mindspore": 0.5}  # median of [1, 1, 4] s, of [4, 4] s
+    # 10 images/s x 0.1 GFLOP = 1 GFLOP/s: 50 % of numpy's 2 GFLOP/s
+    ours = Measurement("mindspore", "eval", 32, 10, 2, [1.0, 1.0, 9.0], flops_per_image=100_000_000)
+    theirs = Measurement("torch", "eval", 32, 10, 2, [0.5], flops_per_image=100_000_000)
+    text = table([ours, theirs], gemms, "resnet50")
+    assert "| eval | 32x32 | 10 | 2 | 10.0 | 20.0 | 0.50x | 0.100 | 1.0 | 50.0 |" in text
+    assert FLOP_CONVENTION in text
+    assert "numpy 2.0 (before 2.0, after 0.5), mindspore 0.5 (before 0.5, ONEDNN_MAX_CPU_ISA=AVX2)" in text
+    result = to_json([ours, theirs], {}, gemms, {32: 50_000_000})
+    assert result["gemm"]["reference_gflops_per_second"] == 2.0 and result["gemm"]["reference_backend"] == "numpy"
+    assert [m["percent_of_gemm"] for m in result["measurements"]] == [50.0, 100.0]
+
+
+def test_end_to_end_run_writes_flop_rates_and_gemm_rates(tmp_path):
+    output = tmp_path / "bench.json"
+    process = run_script("benchmark.py", ["--sizes", "32", "--modes", "eval", "--model_name", "resnet18",
+                                          "--batch_size", "4", "--repeats", "1", "--warmup", "1", "--steps", "1",
+                                          "--gemm_size", "256", "--output", str(output)], timeout=300)
+    assert process.returncode == 0, process.stderr[-3000:]
+    assert "| GFLOP/image | MindSpore GFLOP/s | MindSpore % of GEMM |" in process.stdout
+    assert "GEMM: fp32 256x256" in process.stdout
+    result = json.loads(output.read_text())
+    macs = result["flops"]["forward_macs_per_image"]["32"]
+    assert macs == analytic_macs("resnet18", 32, 10)
+    backends = ["mindspore", "numpy"] + (["torch"] if TORCH_USABLE else [])
+    gemm = result["gemm"]
+    assert [(g["backend"], g["phase"]) for g in gemm["measurements"]] == (
+        [(b, "before") for b in backends] + [(b, "after") for b in backends])
+    assert all(g["gflops_per_second"] > 0 and g["n"] == 256 for g in gemm["measurements"])
+    assert gemm["reference_gflops_per_second"] == max(gemm["gflops_per_second_by_backend"].values())
+    isa = {g["onednn_max_cpu_isa"] for g in gemm["measurements"] if g["backend"] == "mindspore"}
+    assert isa == {os.environ["ONEDNN_MAX_CPU_ISA"]}  # the MindSpore model workers' setting
+    frameworks = ["mindspore"] + (["torch"] if TORCH_USABLE else [])
+    assert [m["framework"] for m in result["measurements"]] == frameworks
+    for m in result["measurements"]:
+        assert m["flops_per_image"] == 2 * macs
+        assert m["gflops_per_second"] == pytest.approx(2 * macs * m["images_per_second"] / 1e9)
+        assert m["percent_of_gemm"] == pytest.approx(100 * m["gflops_per_second"] / gemm["reference_gflops_per_second"])
+    ours = result["measurements"][0]
+    assert f"| {ours['gflops_per_second']:.1f} | {ours['percent_of_gemm']:.1f} |" in process.stdout
+
+
+@pytest.mark.parametrize("args, option", [(["--sizes", "abc"], "--sizes"), (["--sizes", "32,16"], "--sizes"),
+                                          (["--batch_size", "0"], "--batch_size"), (["--modes", "fit"], "--modes"),
+                                          (["--gemm_size", "x"], "--gemm_size")])
+def test_bad_input_is_one_error_line(args, option):
+    assert_one_line_error(run_script("benchmark.py", args, timeout=60), option)
+
+
+def test_missing_output_folder_is_refused_before_measuring(tmp_path):
+    assert_one_line_error(run_script("benchmark.py", ["--output", str(tmp_path / "no" / "b.json")], timeout=60),
+                          "--output", "does not exist")
+
+
+def test_model_choices_match_the_architectures():
+    import benchmark
+    from src.resnet import ARCHITECTURES
+    assert benchmark.ARCHITECTURES == tuple(ARCHITECTURES)
