@@ -23,6 +23,7 @@ from src.lr_schedule import schedule_from_config
 from src.metrics_file import MetricsFile
 from src.plotting import plot_training_curves
 from src.pretrained import load_pretrained
+from src.profiling import StepProfiler
 from src.resnet import build_resnet
 from src.utils import RunEnv
 
@@ -186,6 +187,7 @@ class Trainer:
         logger.info("data: %s", self.data.describe())
         self.image_size = (config.image_height, config.image_width)
         self.steps_per_epoch = self.train_dataset(epoch=0).get_dataset_size()
+        self.profiler = StepProfiler.from_config(config, env, logger, self.steps_per_epoch)  # checks it early
         self.eval_dataset = create_dataset(self.data.eval_path, False, config.batch_size, self.image_size,
                                            env.group_size, env.rank_id, config.eval_num_samples,
                                            config.num_parallel_workers, config.seed)
@@ -224,7 +226,7 @@ class Trainer:
             self.logger.info("nothing to do: the checkpoint has finished %d of %d epochs (raise --epoch_size to "
                              "train on)", state.epoch_num, config.epoch_size)
             return state
-        with StopOnSignal() as stop:
+        with StopOnSignal() as stop, self.profiler:  # the profiler is stopped even if training stops early
             while state.epoch_num < config.epoch_size:
                 self._train_epoch(stop)
         # Every rank logs it: equal digests show data-parallel ranks ended with identical weights.
@@ -245,12 +247,14 @@ class Trainer:
         first_step = state.step_in_epoch
         dataset = self.train_dataset(epoch, skip_batches=first_step)
         run_step, steps = self._step_function(dataset)
+        self.profiler.epoch_started(epoch, steps)
         images_per_step = config.batch_size * self.env.group_size
         started = last_report = time.perf_counter()
         last_reported_step = first_step
         for step in range(first_step, first_step + steps):
             output = run_step()
             loss = float((output[0] if isinstance(output, tuple) else output).asnumpy())
+            self.profiler.step_done()  # after asnumpy(): the step's ops have all run
             if not math.isfinite(loss):
                 raise UserError(f"training diverged: loss is {loss} at epoch {epoch + 1} step {step + 1}; lower --lr "
                                 "or add --warmup_epochs")
