@@ -12,7 +12,8 @@ from src.utils import get_logger, init_env, run_cli
 
 
 def main() -> int:
-    config = load_config(prog="export.py")
+    # Exported files hold MindSpore's own Conv2D, whatever conv_implementation says: they must run anywhere.
+    config = load_config(prog="export.py").replace(conv_implementation="mindspore")
     # Refusals that need no device come before MindSpore starts up.
     check_export_request(config.file_format, config.dynamic_batch, config.verify, config.checkpoint_path)
     logger = get_logger(None, rank_id=0)  # console only: the exported file is the output

@@ -14,6 +14,8 @@ from src.utils import get_logger, init_env, run_cli
 
 def main() -> int:
     config = load_config(prog="predict.py", positional="images")
+    if config.checkpoint_path.lower().endswith(".mindir"):  # an exported graph runs MindSpore's own Conv2D
+        config = config.replace(conv_implementation="mindspore")
     logger = get_logger(None, rank_id=0)  # console only: predict writes no files
     env = init_env(config, logger)  # also the oneDNN speed setting, before the first convolution
     code, summary = run_predict(config, env, logger)

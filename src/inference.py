@@ -126,13 +126,14 @@ class Classifier:
 
 
 def network_classifier(checkpoint_path: str, model_name: str, class_num: int, image_size: Tuple[int, int],
-                       logger: Optional[logging.Logger] = None, sha256: str = "") -> Classifier:
+                       logger: Optional[logging.Logger] = None, sha256: str = "",
+                       conv_implementation: str = "mindspore") -> Classifier:
     """The network with a checkpoint's weights, loaded through src.checkpoint.load_weights (any format it
     reads: this project's .ckpt, PyTorch .pth, models-zoo and mindcv checkpoints)."""
     import mindspore as ms
     from src.checkpoint import load_weights
     from src.resnet import build_resnet
-    net = build_resnet(model_name, class_num)
+    net = build_resnet(model_name, class_num, conv_implementation=conv_implementation)
     load_weights(net, checkpoint_path, model_name, logger, sha256=sha256)
     net.set_train(False)
     return Classifier(run=lambda batch: net(ms.Tensor(batch)).asnumpy(), image_size=tuple(image_size),
@@ -186,7 +187,8 @@ def mindir_classifier(path: str, image_size: Tuple[int, int], class_num: int, sh
 
 
 def load_classifier(model_path: str, model_name: str, class_num: int, image_size: Tuple[int, int],
-                    logger: Optional[logging.Logger] = None, sha256: str = "") -> Classifier:
+                    logger: Optional[logging.Logger] = None, sha256: str = "",
+                    conv_implementation: str = "mindspore") -> Classifier:
     """A .mindir runs as exported; anything else is a checkpoint for load_weights. Raises UserError."""
     if not model_path:
         raise UserError("no model given: pass --checkpoint_path FILE (.ckpt, .pth or an exported .mindir)")
@@ -196,7 +198,7 @@ def load_classifier(model_path: str, model_name: str, class_num: int, image_size
                         "pass a .ckpt, a .pth or a .mindir")
     if suffix == ".mindir":
         return mindir_classifier(model_path, image_size, class_num, sha256)
-    return network_classifier(model_path, model_name, class_num, image_size, logger, sha256)
+    return network_classifier(model_path, model_name, class_num, image_size, logger, sha256, conv_implementation)
 
 
 # ---------------------------------------------------------------- prediction
@@ -264,7 +266,8 @@ def run_predict(config, env, logger: logging.Logger) -> Tuple[int, Dict]:
         raise UserError("no images given: python predict.py --checkpoint_path MODEL image.png [more images ...]")
     # The model first: its class count decides how many names the class_names_file must have.
     classifier = load_classifier(config.checkpoint_path, config.model_name, config.class_num,
-                                 (config.image_height, config.image_width), logger, config.checkpoint_sha256)
+                                 (config.image_height, config.image_width), logger, config.checkpoint_sha256,
+                                 env.conv_implementation)
     names = load_class_names(config.class_names_file, classifier.class_num)
     logger.info("classifying %d file(s) with %s at %dx%d", len(paths), classifier.description,
                 *classifier.image_size)

@@ -15,14 +15,16 @@ BN_MOMENTUM = 0.9
 BN_EPS = 1e-5
 
 
-def conv3x3(in_planes: int, out_planes: int, stride: int = 1) -> nn.Conv2d:
+ConvClass = Type[nn.Conv2d]  # nn.Conv2d or a subclass with other kernels (src.onednn_conv.BlockedConv2d)
+
+
+def conv3x3(in_planes: int, out_planes: int, stride: int = 1, conv: ConvClass = nn.Conv2d) -> nn.Conv2d:
     # pad_mode='pad' with explicit padding: MindSpore's default 'same' pads asymmetrically at stride 2.
-    return nn.Conv2d(in_planes, out_planes, kernel_size=3, stride=stride, pad_mode="pad", padding=1,
-                     has_bias=False)
+    return conv(in_planes, out_planes, kernel_size=3, stride=stride, pad_mode="pad", padding=1, has_bias=False)
 
 
-def conv1x1(in_planes: int, out_planes: int, stride: int = 1) -> nn.Conv2d:
-    return nn.Conv2d(in_planes, out_planes, kernel_size=1, stride=stride, pad_mode="valid", has_bias=False)
+def conv1x1(in_planes: int, out_planes: int, stride: int = 1, conv: ConvClass = nn.Conv2d) -> nn.Conv2d:
+    return conv(in_planes, out_planes, kernel_size=1, stride=stride, pad_mode="valid", has_bias=False)
 
 
 def batch_norm(channels: int) -> nn.BatchNorm2d:
@@ -34,12 +36,12 @@ class BasicBlock(nn.Cell):
     expansion = 1
 
     def __init__(self, inplanes: int, planes: int, stride: int = 1,
-                 downsample: Optional[nn.SequentialCell] = None) -> None:
+                 downsample: Optional[nn.SequentialCell] = None, conv: ConvClass = nn.Conv2d) -> None:
         super().__init__()
-        self.conv1 = conv3x3(inplanes, planes, stride)
+        self.conv1 = conv3x3(inplanes, planes, stride, conv)
         self.bn1 = batch_norm(planes)
         self.relu = nn.ReLU()
-        self.conv2 = conv3x3(planes, planes)
+        self.conv2 = conv3x3(planes, planes, conv=conv)
         self.bn2 = batch_norm(planes)
         self.downsample = downsample
 
@@ -60,13 +62,13 @@ class Bottleneck(nn.Cell):
     expansion = 4
 
     def __init__(self, inplanes: int, planes: int, stride: int = 1,
-                 downsample: Optional[nn.SequentialCell] = None) -> None:
+                 downsample: Optional[nn.SequentialCell] = None, conv: ConvClass = nn.Conv2d) -> None:
         super().__init__()
-        self.conv1 = conv1x1(inplanes, planes)
+        self.conv1 = conv1x1(inplanes, planes, conv=conv)
         self.bn1 = batch_norm(planes)
-        self.conv2 = conv3x3(planes, planes, stride)
+        self.conv2 = conv3x3(planes, planes, stride, conv)
         self.bn2 = batch_norm(planes)
-        self.conv3 = conv1x1(planes, planes * self.expansion)
+        self.conv3 = conv1x1(planes, planes * self.expansion, conv=conv)
         self.bn3 = batch_norm(planes * self.expansion)
         self.relu = nn.ReLU()
         self.downsample = downsample
@@ -91,10 +93,10 @@ class ResNet(nn.Cell):
     """ResNet backbone plus a linear classifier over the globally averaged features."""
 
     def __init__(self, block: Block, layers: List[int], num_classes: int = 1000,
-                 zero_init_residual: bool = False) -> None:
+                 zero_init_residual: bool = False, conv: ConvClass = nn.Conv2d) -> None:
         super().__init__()
         self.inplanes = 64
-        self.conv1 = nn.Conv2d(3, 64, kernel_size=7, stride=2, pad_mode="pad", padding=3, has_bias=False)
+        self.conv1 = conv(3, 64, kernel_size=7, stride=2, pad_mode="pad", padding=3, has_bias=False)
         self.bn1 = batch_norm(64)
         self.relu = nn.ReLU()
         # torch's MaxPool2d(3, 2, padding=1) as an explicit zero pad and a 'valid' pool: the input is
@@ -104,22 +106,22 @@ class ResNet(nn.Cell):
             nn.Pad(paddings=((0, 0), (0, 0), (1, 1), (1, 1)), mode="CONSTANT"),
             nn.MaxPool2d(kernel_size=3, stride=2, pad_mode="valid"),
         ])
-        self.layer1 = self._make_layer(block, 64, layers[0])
-        self.layer2 = self._make_layer(block, 128, layers[1], stride=2)
-        self.layer3 = self._make_layer(block, 256, layers[2], stride=2)
-        self.layer4 = self._make_layer(block, 512, layers[3], stride=2)
+        self.layer1 = self._make_layer(block, 64, layers[0], 1, conv)
+        self.layer2 = self._make_layer(block, 128, layers[1], 2, conv)
+        self.layer3 = self._make_layer(block, 256, layers[2], 2, conv)
+        self.layer4 = self._make_layer(block, 512, layers[3], 2, conv)
         self.fc = nn.Dense(512 * block.expansion, num_classes)
         self.num_classes = num_classes
         self._initialize(zero_init_residual)
 
-    def _make_layer(self, block: Block, planes: int, blocks: int, stride: int = 1) -> nn.SequentialCell:
+    def _make_layer(self, block: Block, planes: int, blocks: int, stride: int, conv: ConvClass) -> nn.SequentialCell:
         downsample = None
         if stride != 1 or self.inplanes != planes * block.expansion:
-            downsample = nn.SequentialCell([conv1x1(self.inplanes, planes * block.expansion, stride),
+            downsample = nn.SequentialCell([conv1x1(self.inplanes, planes * block.expansion, stride, conv),
                                             batch_norm(planes * block.expansion)])
-        cells = [block(self.inplanes, planes, stride, downsample)]
+        cells = [block(self.inplanes, planes, stride, downsample, conv)]
         self.inplanes = planes * block.expansion
-        cells += [block(self.inplanes, planes) for _ in range(1, blocks)]
+        cells += [block(self.inplanes, planes, conv=conv) for _ in range(1, blocks)]
         return nn.SequentialCell(cells)
 
     def _initialize(self, zero_init_residual: bool) -> None:
@@ -160,12 +162,19 @@ ARCHITECTURES: Dict[str, tuple] = {
 }
 
 
-def build_resnet(model_name: str, num_classes: int = 1000, zero_init_residual: bool = False) -> ResNet:
-    """Builds one of ARCHITECTURES by name."""
+def build_resnet(model_name: str, num_classes: int = 1000, zero_init_residual: bool = False,
+                 conv_implementation: str = "mindspore") -> ResNet:
+    """Builds one of ARCHITECTURES by name, its convolutions from MindSpore's nn.Conv2d ("mindspore") or
+    oneDNN's blocked-layout kernels ("onednn_blocked", CPU; see src/onednn_conv.py). Both have the same
+    parameters, so checkpoints are the same."""
     if model_name not in ARCHITECTURES:
         raise ValueError(f"unknown model_name {model_name!r}; choose one of {', '.join(ARCHITECTURES)}")
     block, layers = ARCHITECTURES[model_name]
-    return ResNet(block, layers, num_classes=num_classes, zero_init_residual=zero_init_residual)
+    conv = nn.Conv2d
+    if conv_implementation == "onednn_blocked":
+        from src.onednn_conv import BlockedConv2d  # only then: it needs the built native library
+        conv = BlockedConv2d
+    return ResNet(block, layers, num_classes=num_classes, zero_init_residual=zero_init_residual, conv=conv)
 
 
 def _factory(model_name: str) -> Callable[..., ResNet]:

@@ -191,7 +191,8 @@ class Trainer:
         self.eval_dataset = create_dataset(self.data.eval_path, False, config.batch_size, self.image_size,
                                            env.group_size, env.rank_id, config.eval_num_samples,
                                            config.num_parallel_workers, config.seed)
-        self.net = build_resnet(config.model_name, config.class_num, config.zero_init_residual)
+        self.net = build_resnet(config.model_name, config.class_num, config.zero_init_residual,
+                                env.conv_implementation)
         load_pretrained(self.net, config, logger)  # --pretrained weights; the --resume file's checkpoint_sha256
         self.learning_rates = schedule_from_config(config, self.steps_per_epoch)
         self.optimizer = build_optimizer(config, self.net.trainable_params(), self.learning_rates)

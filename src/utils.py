@@ -13,9 +13,11 @@ import numpy as np
 import mindspore as ms
 
 from src.errors import UserError, run_cli  # noqa: F401  (run_cli: the scripts' entry wrapper)
+from src.onednn_conv import resolve_conv_implementation
 
-# oneDNN picks slow reference kernels for 3x3/7x7 convolutions on plain NCHW tensors on AVX-512 CPUs;
-# capping it at AVX2 gives its fast kernels (about 80x on one conv, see README "CPU speed").
+# oneDNN picks slow reference kernels for MindSpore's 3x3/7x7 convolutions (plain NCHW tensors) on AVX-512
+# CPUs; capping it at AVX2 gives its im2col+GEMM kernels (about 80x on one conv, see README "Speed"). The
+# project's blocked-layout convolutions (src/onednn_conv.py) need no cap: they get the AVX-512 kernels.
 ONEDNN_ISA_VARIABLE = "ONEDNN_MAX_CPU_ISA"
 ONEDNN_ISA_DEFAULT = "AVX2"
 DEVICE_PREFERENCE = ("Ascend", "GPU", "CPU")
@@ -27,6 +29,7 @@ class RunEnv:
     device_target: str
     rank_id: int = 0
     group_size: int = 1
+    conv_implementation: str = "mindspore"  # see src/onednn_conv.py
 
     @property
     def distributed(self) -> bool:
@@ -37,18 +40,20 @@ class RunEnv:
         return self.rank_id == 0
 
 
-def apply_cpu_speed_setting(logger: Optional[logging.Logger] = None) -> str:
-    """Caps oneDNN's instruction set unless the user set ONEDNN_MAX_CPU_ISA; returns the value in force.
+def apply_cpu_speed_setting(logger: Optional[logging.Logger] = None, conv_implementation: str = "mindspore") -> str:
+    """Caps oneDNN's instruction set when MindSpore's own convolutions run, unless the user set
+    ONEDNN_MAX_CPU_ISA; returns the value in force ("all" when uncapped).
 
     Must run before the first convolution (oneDNN reads it once).
     """
     user_value = os.environ.get(ONEDNN_ISA_VARIABLE)
-    if user_value is None:
+    if user_value is None and conv_implementation == "mindspore":
         os.environ[ONEDNN_ISA_VARIABLE] = ONEDNN_ISA_DEFAULT
+    value = os.environ.get(ONEDNN_ISA_VARIABLE, "all")
     if logger:
         origin = "set by the user" if user_value is not None else "project default"
-        logger.info("%s=%s (%s)", ONEDNN_ISA_VARIABLE, os.environ[ONEDNN_ISA_VARIABLE], origin)
-    return os.environ[ONEDNN_ISA_VARIABLE]
+        logger.info("%s=%s (%s), convolutions: %s", ONEDNN_ISA_VARIABLE, value, origin, conv_implementation)
+    return value
 
 
 @contextlib.contextmanager
@@ -120,14 +125,18 @@ def set_seeds(seed: int) -> None:
 
 
 def init_env(config, logger: logging.Logger) -> RunEnv:
-    """Sets up device, mode, seeds, the CPU speed setting and, under a launcher, data-parallel training."""
-    apply_cpu_speed_setting(logger)
-    set_seeds(config.seed)
+    """Sets up device, convolution kernels, the CPU speed setting, mode, seeds and, under a launcher,
+    data-parallel training."""
     device = select_device(config.device_target, logger)
+    conv_implementation, reason = resolve_conv_implementation(config.conv_implementation, device)
+    if conv_implementation != config.conv_implementation:
+        logger.info("conv_implementation %s: using %s (%s)", config.conv_implementation, conv_implementation, reason)
+    apply_cpu_speed_setting(logger, conv_implementation)
+    set_seeds(config.seed)
     ms.set_context(mode=ms.GRAPH_MODE if config.context_mode == "graph" else ms.PYNATIVE_MODE)
     if not launched_distributed():
         ms.set_device(device, config.device_id if device != "CPU" else None)
-        return RunEnv(device_target=device)
+        return RunEnv(device_target=device, conv_implementation=conv_implementation)
     ms.set_device(device)  # the launcher hands out device ids
     from mindspore.communication import get_group_size, get_rank, init
     init()  # in msrun's scheduler process this serves the workers and never returns
@@ -136,7 +145,8 @@ def init_env(config, logger: logging.Logger) -> RunEnv:
     ms.set_auto_parallel_context(parallel_mode=ms.ParallelMode.DATA_PARALLEL, gradients_mean=True,
                                  device_num=group_size)
     logger.info("data-parallel training: rank %d of %d", rank_id, group_size)
-    return RunEnv(device_target=device, rank_id=rank_id, group_size=group_size)
+    return RunEnv(device_target=device, rank_id=rank_id, group_size=group_size,
+                  conv_implementation=conv_implementation)
 
 
 def get_logger(output_path: Optional[str] = None, log_name: str = "train.log", rank_id: int = 0) -> logging.Logger:

@@ -5,7 +5,9 @@ import sys
 from pathlib import Path
 from typing import Dict, List, Optional
 
-# oneDNN's fast convolution kernels on AVX-512 machines (see README); set before MindSpore runs a conv.
+# In-process tests run MindSpore's own convolutions, which need oneDNN capped at AVX2 on AVX-512 machines
+# (see README); set before MindSpore runs a conv. Scripts the tests start choose for themselves (script_env).
+ISA_SET_BY_TESTS = "ONEDNN_MAX_CPU_ISA" not in os.environ
 os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX2")
 
 import pytest  # noqa: E402
@@ -25,12 +27,19 @@ def cifar_dir(tmp_path_factory) -> Path:
     return write_synthetic_cifar(str(tmp_path_factory.mktemp("data") / "cifar-10-batches-bin"), seed=0)
 
 
+def script_env(extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:
+    """The environment for a script a test starts: this one, without the ISA cap the tests set for themselves."""
+    env = dict(os.environ)
+    if ISA_SET_BY_TESTS:
+        env.pop("ONEDNN_MAX_CPU_ISA", None)
+    env.update(extra or {})
+    return env
+
+
 def run_script(script: str, args: List[str], cwd: Optional[Path] = None, timeout: float = 600,
                env: Optional[Dict[str, str]] = None) -> subprocess.CompletedProcess:
     """Runs python SCRIPT ARGS from the repository root (or cwd) and returns the finished process."""
-    full_env = dict(os.environ)
-    full_env.update(env or {})
-    return subprocess.run([sys.executable, str(REPO / script), *args], cwd=str(cwd or REPO), env=full_env,
+    return subprocess.run([sys.executable, str(REPO / script), *args], cwd=str(cwd or REPO), env=script_env(env),
                           capture_output=True, text=True, timeout=timeout)
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import FAST_ARGS, REPO
+from conftest import FAST_ARGS, REPO, script_env
 
 SCRIPTS = REPO / "scripts"
 LAUNCHERS = ["run_standalone_train.sh", "run_distribute_train.sh", "run_eval.sh"]
@@ -23,9 +23,7 @@ SMALL = ["--model_name", "resnet18", "--batch_size", "8", "--eval_num_samples", 
 def launcher_env(**extra: str) -> dict:
     """The interpreter with MindSpore via $PYTHON, and a decoy `python` first on PATH that fails: the
     launchers must not use it (msrun starts workers with the bare word `python`)."""
-    env = dict(os.environ, PYTHON=sys.executable)
-    env.update(extra)
-    return env
+    return script_env({"PYTHON": sys.executable, **extra})
 
 
 @pytest.fixture(scope="module")

@@ -201,7 +201,7 @@ class Parity:
     seconds: float = 0.0
 
 
-def measure(depth: str, folder) -> Parity:
+def measure(depth: str, folder, conv_implementation: str = "mindspore") -> Parity:
     start = time.perf_counter()
     result = Parity(depth)
     rng = np.random.default_rng(DEPTHS.index(depth))
@@ -215,7 +215,7 @@ def measure(depth: str, folder) -> Parity:
     torch.save(tv_net.state_dict(), pth)
     convert_pth_to_ckpt(str(pth), str(ckpt))
     with no_init_parameters():  # every parameter comes from the .ckpt
-        net = build_resnet(depth, NUM_CLASSES)
+        net = build_resnet(depth, NUM_CLASSES, conv_implementation=conv_implementation)
     not_loaded, _ = ms.load_param_into_net(net, ms.load_checkpoint(str(ckpt)), strict_load=True)
     assert not not_loaded, not_loaded
     pth.unlink()
@@ -337,10 +337,16 @@ def measure(depth: str, folder) -> Parity:
     return result
 
 
-@pytest.fixture(scope="module", params=DEPTHS)
+# The blocked-layout convolutions (src/onednn_conv.py) must pass the same tests with the same tolerances: one
+# network of each block type, to keep the suite's time down.
+CASES = [(depth, "mindspore") for depth in DEPTHS] + [("resnet18", "onednn_blocked"), ("resnet50", "onednn_blocked")]
+
+
+@pytest.fixture(scope="module", params=CASES, ids=lambda case: case[0] if case[1] == "mindspore" else "-".join(case))
 def parity(request, tmp_path_factory) -> Parity:
-    result = measure(request.param, tmp_path_factory.mktemp(request.param))
-    MEASURED[request.param] = {
+    depth, conv_implementation = request.param
+    result = measure(depth, tmp_path_factory.mktemp(depth), conv_implementation)
+    MEASURED[depth if conv_implementation == "mindspore" else f"{depth} ({conv_implementation})"] = {
         "eval logits rel": result.eval_rel,
         "train logits rel vs torch f32": result.train_logits_rel,
         "torch f32 vs f64 train logits": result.train_logits_torch_spread,

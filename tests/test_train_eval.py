@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import FAST_ARGS, REPO, assert_one_line_error, run_script
+from conftest import FAST_ARGS, REPO, assert_one_line_error, run_script, script_env
 from src.metrics_file import COLUMNS
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -139,7 +139,7 @@ SMALL = ["--model_name", "resnet18", "--batch_size", "8", "--train_num_samples",
 def start_training(args, log_path: Path) -> subprocess.Popen:
     log = open(log_path, "w")
     return subprocess.Popen([sys.executable, str(REPO / "train.py"), *args], cwd=REPO, stdout=log,
-                            stderr=subprocess.STDOUT)
+                            stderr=subprocess.STDOUT, env=script_env())
 
 
 def wait_for_line(log_path: Path, text: str, process: subprocess.Popen, timeout: float = 300) -> None:

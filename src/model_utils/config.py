@@ -18,6 +18,7 @@ DEFAULT_CONFIG_PATH = Path(__file__).resolve().parents[2] / "default_config.yaml
 CHOICES: Dict[str, Tuple[str, ...]] = {
     "device_target": ("Auto", "Ascend", "GPU", "CPU"),
     "context_mode": ("graph", "pynative"),
+    "conv_implementation": ("auto", "onednn_blocked", "mindspore"),
     "model_name": ("resnet18", "resnet34", "resnet50", "resnet101", "resnet152"),
     "optimizer": ("adam", "momentum"),
     "lr_schedule": ("constant", "cosine", "step", "poly"),

@@ -1,0 +1,321 @@
+// Convolutions for MindSpore Custom (aot) operators on CPU, run by oneDNN on blocked memory layouts.
+//
+// Why: MindSpore 2.10 hands oneDNN plain NCHW tensors, so oneDNN picks im2col+GEMM (or, above AVX2, its
+// reference kernel). Letting oneDNN choose the layout ("any") gets its direct AVX-512 kernels; tensors
+// are reordered from/to MindSpore's plain layout around each call, as PyTorch does.
+//
+// Each exported function has MindSpore's aot signature and handles one (stride, padding) pair, named
+// in the function (Custom aot ops here take no attributes). Dilation 1, groups 1, float32, no bias.
+// The library links MindSpore's own libdnnl.so.3, so it shares MindSpore's oneDNN and its ISA setting.
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <sched.h>
+#include <thread>
+#include <tuple>
+#include <vector>
+
+#include "oneapi/dnnl/dnnl.hpp"
+#include "oneapi/dnnl/dnnl_threadpool.hpp"
+
+#ifndef ONEDNN_CONV_SOURCE_DIGEST
+#define ONEDNN_CONV_SOURCE_DIGEST "unknown"
+#endif
+
+namespace {
+
+using dnnl::memory;
+using tag = dnnl::memory::format_tag;
+
+// oneDNN in MindSpore is built for a caller-supplied thread pool. This one is synchronous: the
+// calling thread takes a share, workers spin briefly (a step makes hundreds of short calls) then sleep.
+class ThreadPool : public dnnl::threadpool_interop::threadpool_iface {
+ public:
+  explicit ThreadPool(int threads) : threads_(std::max(1, threads)) {
+    for (int t = 1; t < threads_; ++t) workers_.emplace_back([this] { Work(); });
+  }
+  ~ThreadPool() override {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      stop_ = true;
+      generation_.fetch_add(1);
+    }
+    wake_.notify_all();
+    for (auto &worker : workers_) worker.join();
+  }
+  int get_num_threads() const override { return threads_; }
+  bool get_in_parallel() const override { return in_parallel_; }
+  uint64_t get_flags() const override { return 0; }
+  void parallel_for(int n, const std::function<void(int, int)> &fn) override {
+    if (n <= 0) return;
+    if (threads_ == 1 || n == 1 || in_parallel_) {
+      for (int i = 0; i < n; ++i) fn(i, n);
+      return;
+    }
+    fn_ = &fn;
+    n_ = n;
+    next_.store(0);
+    busy_.store(threads_ - 1);
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      generation_.fetch_add(1, std::memory_order_release);
+    }
+    wake_.notify_all();
+    RunShare();
+    while (busy_.load(std::memory_order_acquire) != 0) std::this_thread::yield();
+  }
+
+ private:
+  void RunShare() {
+    in_parallel_ = true;
+    for (int i = next_.fetch_add(1); i < n_; i = next_.fetch_add(1)) (*fn_)(i, n_);
+    in_parallel_ = false;
+  }
+  void Work() {
+    uint64_t seen = 0;
+    for (;;) {
+      bool started = false;
+      for (int spin = 0; spin < 20000 && !started; ++spin) {
+        started = generation_.load(std::memory_order_acquire) != seen;
+      }
+      if (!started) {
+        std::unique_lock<std::mutex> lock(mutex_);
+        wake_.wait(lock, [&] { return generation_.load() != seen; });
+      }
+      seen = generation_.load(std::memory_order_acquire);
+      if (stop_) return;
+      RunShare();
+      busy_.fetch_sub(1, std::memory_order_release);
+    }
+  }
+
+  int threads_;
+  std::vector<std::thread> workers_;
+  std::mutex mutex_;
+  std::condition_variable wake_;
+  std::atomic<uint64_t> generation_{0};
+  bool stop_ = false;
+  const std::function<void(int, int)> *fn_ = nullptr;
+  int n_ = 0;
+  std::atomic<int> next_{0};
+  std::atomic<int> busy_{0};
+  static thread_local bool in_parallel_;
+};
+thread_local bool ThreadPool::in_parallel_ = false;
+
+int ThreadCount() {
+  const char *requested = std::getenv("OMP_NUM_THREADS");
+  if (requested != nullptr && std::atoi(requested) > 0) return std::atoi(requested);
+  cpu_set_t cpus;
+  if (sched_getaffinity(0, sizeof(cpus), &cpus) == 0) return CPU_COUNT(&cpus);
+  return static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+}
+
+// A grow-only 64-byte-aligned buffer, kept between calls: fresh allocations of large tensors would page
+// fault on every step.
+class Buffer {
+ public:
+  void *Get(size_t bytes) {
+    if (bytes > capacity_) {
+      std::free(data_);
+      data_ = std::aligned_alloc(64, (bytes + 63) / 64 * 64);
+      capacity_ = data_ ? bytes : 0;
+    }
+    return data_;
+  }
+  ~Buffer() { std::free(data_); }
+
+ private:
+  void *data_ = nullptr;
+  size_t capacity_ = 0;
+};
+
+enum class Direction { kForward, kBackwardData, kBackwardWeights };
+
+// Primitive and layouts for one convolution shape and direction, created once.
+struct Plan {
+  dnnl::primitive primitive;
+  memory::desc first_desc, second_desc, result_desc, scratchpad_desc;  // layouts the primitive runs on
+  int first_arg, second_arg, result_arg;
+};
+
+struct Shape {
+  memory::dims src, weights, dst, strides, padding;
+};
+
+class Runtime {
+ public:
+  static Runtime &Get() {
+    static Runtime runtime;
+    return runtime;
+  }
+
+  // Plain-layout pointers in, plain-layout result out: first/second are the two inputs of the direction
+  // (forward: src, weights; backward data: diff_dst, weights; backward weights: diff_dst, src).
+  void Run(Direction direction, const Shape &shape, void *first, void *second, void *result) {
+    std::lock_guard<std::mutex> lock(mutex_);  // one call at a time: the pool and buffers are shared
+    // Thread-local in oneDNN, and it sizes each primitive's work split; MindSpore's threads may have it at 1.
+    dnnl_threadpool_interop_set_max_concurrency(pool_.get_num_threads());
+    const Plan &plan = GetPlan(direction, shape);
+    memory::desc first_plain, second_plain, result_plain;
+    PlainDescs(direction, shape, &first_plain, &second_plain, &result_plain);
+    memory first_mem = ToLayout(memory(first_plain, engine_, first), plan.first_desc, &buffers_[0]);
+    memory second_mem = ToLayout(memory(second_plain, engine_, second), plan.second_desc, &buffers_[1]);
+    memory result_user(result_plain, engine_, result);
+    memory result_mem = plan.result_desc == result_plain
+                            ? result_user
+                            : memory(plan.result_desc, engine_, buffers_[2].Get(plan.result_desc.get_size()));
+    memory scratchpad(plan.scratchpad_desc, engine_, buffers_[3].Get(plan.scratchpad_desc.get_size()));
+    plan.primitive.execute(stream_, {{plan.first_arg, first_mem},
+                                     {plan.second_arg, second_mem},
+                                     {plan.result_arg, result_mem},
+                                     {DNNL_ARG_SCRATCHPAD, scratchpad}});
+    if (result_mem.get_data_handle() != result_user.get_data_handle()) {
+      dnnl::reorder(result_mem, result_user).execute(stream_, result_mem, result_user);
+    }
+    stream_.wait();
+  }
+
+ private:
+  Runtime()
+      : pool_(ThreadCount()),
+        engine_(dnnl::engine::kind::cpu, 0),
+        stream_(dnnl::threadpool_interop::make_stream(engine_, &pool_)) {}
+
+  static void PlainDescs(Direction direction, const Shape &shape, memory::desc *first, memory::desc *second,
+                         memory::desc *result) {
+    memory::desc src(shape.src, memory::data_type::f32, tag::nchw);
+    memory::desc weights(shape.weights, memory::data_type::f32, tag::oihw);
+    memory::desc dst(shape.dst, memory::data_type::f32, tag::nchw);
+    if (direction == Direction::kForward) {
+      *first = src, *second = weights, *result = dst;
+    } else if (direction == Direction::kBackwardData) {
+      *first = dst, *second = weights, *result = src;
+    } else {
+      *first = dst, *second = src, *result = weights;
+    }
+  }
+
+  memory ToLayout(const memory &plain, const memory::desc &wanted, Buffer *buffer) {
+    if (plain.get_desc() == wanted) return plain;
+    memory converted(wanted, engine_, buffer->Get(wanted.get_size()));
+    dnnl::reorder(plain, converted).execute(stream_, const_cast<memory &>(plain), converted);
+    return converted;
+  }
+
+  const Plan &GetPlan(Direction direction, const Shape &shape) {
+    auto key = std::make_tuple(static_cast<int>(direction), shape.src, shape.weights, shape.dst, shape.strides,
+                               shape.padding);
+    auto found = plans_.find(key);
+    if (found != plans_.end()) return found->second;
+    memory::desc src(shape.src, memory::data_type::f32, tag::any);
+    memory::desc weights(shape.weights, memory::data_type::f32, tag::any);
+    memory::desc dst(shape.dst, memory::data_type::f32, tag::any);
+    dnnl::primitive_attr attr;
+    attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
+    auto forward = dnnl::convolution_forward::primitive_desc(
+        engine_, dnnl::prop_kind::forward_training, dnnl::algorithm::convolution_direct, src, weights, dst,
+        shape.strides, shape.padding, shape.padding, attr);
+    Plan plan;
+    if (direction == Direction::kForward) {
+      plan = {dnnl::convolution_forward(forward), forward.src_desc(), forward.weights_desc(), forward.dst_desc(),
+              forward.scratchpad_desc(), DNNL_ARG_SRC, DNNL_ARG_WEIGHTS, DNNL_ARG_DST};
+    } else if (direction == Direction::kBackwardData) {
+      auto backward = dnnl::convolution_backward_data::primitive_desc(
+          engine_, dnnl::algorithm::convolution_direct, src, weights, dst, shape.strides, shape.padding,
+          shape.padding, forward, attr);
+      plan = {dnnl::convolution_backward_data(backward), backward.diff_dst_desc(), backward.weights_desc(),
+              backward.diff_src_desc(), backward.scratchpad_desc(), DNNL_ARG_DIFF_DST, DNNL_ARG_WEIGHTS,
+              DNNL_ARG_DIFF_SRC};
+    } else {
+      auto backward = dnnl::convolution_backward_weights::primitive_desc(
+          engine_, dnnl::algorithm::convolution_direct, src, weights, dst, shape.strides, shape.padding,
+          shape.padding, forward, attr);
+      plan = {dnnl::convolution_backward_weights(backward), backward.diff_dst_desc(), backward.src_desc(),
+              backward.diff_weights_desc(), backward.scratchpad_desc(), DNNL_ARG_DIFF_DST, DNNL_ARG_SRC,
+              DNNL_ARG_DIFF_WEIGHTS};
+    }
+    return plans_.emplace(key, plan).first->second;
+  }
+
+  std::mutex mutex_;
+  ThreadPool pool_;
+  dnnl::engine engine_;
+  dnnl::stream stream_;
+  Buffer buffers_[4];
+  std::map<std::tuple<int, memory::dims, memory::dims, memory::dims, memory::dims, memory::dims>, Plan> plans_;
+};
+
+memory::dims Dims(int64_t *shape) { return memory::dims(shape, shape + 4); }
+
+// params: inputs then output, all plain NCHW/OIHW float32.
+int Launch(Direction direction, int stride, int padding, int nparam, void **params, int *ndims, int64_t **shapes,
+           const char **dtypes) {
+  const int expected = direction == Direction::kForward ? 3 : 4;
+  if (nparam != expected) {
+    std::fprintf(stderr, "onednn_conv: expected %d inputs and 1 output, got %d tensors\n", expected - 1, nparam);
+    return 1;
+  }
+  for (int i = 0; i < nparam; ++i) {
+    if (ndims[i] != 4 || std::strcmp(dtypes[i], "float32") != 0) {
+      std::fprintf(stderr, "onednn_conv: tensor %d must be 4-d float32, got %d-d %s\n", i, ndims[i], dtypes[i]);
+      return 1;
+    }
+  }
+  // Inputs: forward (x, w), backward data (dy, w, x: shape only), backward weights (dy, x, w: shape only);
+  // the last param is the output.
+  Shape shape;
+  shape.strides = {stride, stride};
+  shape.padding = {padding, padding};
+  void *first = params[0], *second = params[1];
+  if (direction == Direction::kForward) {
+    shape.src = Dims(shapes[0]), shape.weights = Dims(shapes[1]), shape.dst = Dims(shapes[2]);
+  } else if (direction == Direction::kBackwardData) {
+    shape.dst = Dims(shapes[0]), shape.weights = Dims(shapes[1]), shape.src = Dims(shapes[3]);
+  } else {
+    shape.dst = Dims(shapes[0]), shape.src = Dims(shapes[1]), shape.weights = Dims(shapes[3]);
+  }
+  try {
+    Runtime::Get().Run(direction, shape, first, second, params[nparam - 1]);
+  } catch (const dnnl::error &error) {
+    std::fprintf(stderr, "onednn_conv: oneDNN error %d: %s\n", static_cast<int>(error.status), error.what());
+    return 1;
+  } catch (const std::exception &error) {
+    std::fprintf(stderr, "onednn_conv: %s\n", error.what());
+    return 1;
+  }
+  return 0;
+}
+
+}  // namespace
+
+#define ONEDNN_CONV_EXPORT(NAME, DIRECTION, STRIDE, PADDING)                                                    \
+  extern "C" int NAME##_s##STRIDE##_p##PADDING(int nparam, void **params, int *ndims, int64_t **shapes,        \
+                                                const char **dtypes, void *, void *) {                          \
+    return Launch(Direction::DIRECTION, STRIDE, PADDING, nparam, params, ndims, shapes, dtypes);              \
+  }
+#define ONEDNN_CONV_EXPORT_ALL(STRIDE, PADDING)                              \
+  ONEDNN_CONV_EXPORT(ConvForward, kForward, STRIDE, PADDING)                 \
+  ONEDNN_CONV_EXPORT(ConvBackwardData, kBackwardData, STRIDE, PADDING)       \
+  ONEDNN_CONV_EXPORT(ConvBackwardWeights, kBackwardWeights, STRIDE, PADDING)
+
+// The (stride, padding) pairs of torchvision-style ResNets (1x1, 3x3 and the 7x7 stem) and a few more.
+ONEDNN_CONV_EXPORT_ALL(1, 0)
+ONEDNN_CONV_EXPORT_ALL(1, 1)
+ONEDNN_CONV_EXPORT_ALL(1, 2)
+ONEDNN_CONV_EXPORT_ALL(1, 3)
+ONEDNN_CONV_EXPORT_ALL(2, 0)
+ONEDNN_CONV_EXPORT_ALL(2, 1)
+ONEDNN_CONV_EXPORT_ALL(2, 2)
+ONEDNN_CONV_EXPORT_ALL(2, 3)
+
+// Lets Python check that the loaded library was built from the source it is next to.
+extern "C" const char *onednn_conv_source_digest() { return ONEDNN_CONV_SOURCE_DIGEST; }

@@ -1,0 +1,135 @@
+"""Convolutions run by oneDNN on blocked memory layouts, as MindSpore Custom (aot) operators on CPU.
+
+MindSpore 2.10 gives oneDNN plain NCHW tensors, which gets im2col+GEMM kernels at best (and, unless the
+instruction set is capped at AVX2, oneDNN's slow reference kernels). native/onednn_conv.cc lets oneDNN
+choose its layouts, as PyTorch does, and gets the direct AVX-512 kernels. `BlockedConv2d` is an
+nn.Conv2d (same parameters, initialisation and checkpoints) whose forward and gradients go through it.
+"""
+import ctypes
+import functools
+from pathlib import Path
+from typing import Optional, Tuple
+
+import mindspore as ms
+from mindspore import nn, ops
+
+from src.errors import UserError
+from src.model_utils.config import CHOICES
+from src.file_hash import file_digest
+
+SOURCE_PATH = Path(__file__).resolve().parents[1] / "native" / "onednn_conv.cc"
+BUILD_COMMAND = "python -m pip install ./native"
+# The (stride, padding) pairs native/onednn_conv.cc exports a function for.
+SUPPORTED_STRIDES = (1, 2)
+SUPPORTED_PADDINGS = (0, 1, 2, 3)
+
+
+@functools.lru_cache(maxsize=None)
+def native_library() -> Tuple[Optional[str], str]:
+    """(path of the built library, "") when it can be used, else (None, why not and what to do)."""
+    try:
+        import resnet_onednn_conv
+    except ImportError:
+        return None, f"the native convolution library is not installed: run {BUILD_COMMAND}"
+    library = resnet_onednn_conv.LIBRARY_PATH
+    if not library.exists():
+        error = resnet_onednn_conv.BUILD_ERROR_PATH
+        cause = error.read_text(errors="replace").splitlines()[0] if error.exists() else "no library file"
+        return None, f"the native convolution library failed to build ({cause}); fix that and run {BUILD_COMMAND}"
+    try:
+        built_from = ctypes.CDLL(str(library)).onednn_conv_source_digest
+        built_from.restype = ctypes.c_char_p
+        built_digest = built_from().decode()
+    except (OSError, AttributeError) as error:
+        return None, f"the native convolution library {library} does not load ({error}); run {BUILD_COMMAND}"
+    if SOURCE_PATH.exists() and built_digest != file_digest(str(SOURCE_PATH), "sha256"):
+        return None, f"the installed native convolution library was built from another {SOURCE_PATH.name}: " \
+                     f"run {BUILD_COMMAND}"
+    return str(library), ""
+
+
+def resolve_conv_implementation(requested: str, device_target: str) -> Tuple[str, str]:
+    """(implementation in use, why): 'auto' takes onednn_blocked on CPU when the library is usable."""
+    if requested not in CHOICES["conv_implementation"]:
+        raise UserError(f"conv_implementation {requested!r} is not one of {', '.join(CHOICES['conv_implementation'])}")
+    if requested == "mindspore":
+        return "mindspore", "requested"
+    if device_target != "CPU":
+        if requested == "onednn_blocked":
+            raise UserError(f"conv_implementation onednn_blocked runs on CPU only, not {device_target}; "
+                            f"set --conv_implementation auto or mindspore")
+        return "mindspore", f"{device_target} has its own convolution kernels"
+    library, why_not = native_library()
+    if library is None:
+        if requested == "onednn_blocked":
+            raise UserError(f"conv_implementation onednn_blocked: {why_not}")
+        return "mindspore", why_not
+    return "onednn_blocked", library
+
+
+def _output_shape_is_last_input(first, second, last):
+    return last
+
+
+def _output_dtype_is_last_input(first, second, last):
+    return last
+
+
+@functools.lru_cache(maxsize=None)
+def _forward_op(stride: int, padding: int) -> ops.Custom:
+    """The forward Custom op for one (stride, padding), with its gradient ops as bprop."""
+    library, why_not = native_library()
+    if library is None:
+        raise RuntimeError(why_not)
+    suffix = f"_s{stride}_p{padding}"
+    # The backward ops take a third input only for its shape (the result's), which aot ops can't be told.
+    backward_data = ops.Custom(f"{library}:ConvBackwardData{suffix}", _output_shape_is_last_input,
+                               _output_dtype_is_last_input, func_type="aot")
+    backward_weights = ops.Custom(f"{library}:ConvBackwardWeights{suffix}", _output_shape_is_last_input,
+                                  _output_dtype_is_last_input, func_type="aot")
+
+    def output_shape(x_shape, w_shape):
+        return (x_shape[0], w_shape[0], (x_shape[2] + 2 * padding - w_shape[2]) // stride + 1,
+                (x_shape[3] + 2 * padding - w_shape[3]) // stride + 1)
+
+    def output_dtype(x_dtype, w_dtype):
+        return x_dtype
+
+    def bprop(x, weight, out, dout):
+        return backward_data(dout, weight, x), backward_weights(dout, x, weight)
+
+    return ops.Custom(f"{library}:ConvForward{suffix}", output_shape, output_dtype, func_type="aot", bprop=bprop)
+
+
+def _symmetric_padding(cell: nn.Conv2d) -> Optional[int]:
+    if cell.pad_mode == "valid":
+        return 0
+    if cell.pad_mode != "pad":
+        return None  # 'same' pads asymmetrically at stride 2
+    padding = cell.padding if isinstance(cell.padding, tuple) else (cell.padding,) * 4
+    return padding[0] if len(set(padding)) == 1 else None
+
+
+class BlockedConv2d(nn.Conv2d):
+    """nn.Conv2d whose float32 forward and gradients run on oneDNN's blocked layouts (CPU).
+
+    Configurations the native library has no kernel for (groups, dilation, other strides or paddings,
+    other dtypes) run MindSpore's own Conv2d.
+    """
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        stride = self.stride[2:] if len(self.stride) == 4 else self.stride
+        dilation = self.dilation[2:] if len(self.dilation) == 4 else self.dilation
+        padding = _symmetric_padding(self)
+        supported = (self.group == 1 and tuple(dilation) == (1, 1) and stride[0] == stride[1]
+                     and stride[0] in SUPPORTED_STRIDES and padding in SUPPORTED_PADDINGS)
+        self.blocked_op = _forward_op(stride[0], padding) if supported else None
+
+    def construct(self, x):
+        if self.blocked_op is None or x.dtype != ms.float32:
+            return super().construct(x)
+        output = self.blocked_op(x, self.weight)
+        if self.has_bias:
+            output = self.bias_add(output, self.bias)
+        return output

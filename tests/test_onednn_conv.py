@@ -1,0 +1,159 @@
+"""The blocked-layout oneDNN convolutions (native/onednn_conv.cc via src/onednn_conv.py): numerically MindSpore's
+Conv2d, really on blocked layouts, and a clear fallback or refusal wherever they can't run."""
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import mindspore as ms
+from mindspore import nn
+
+from conftest import REPO, assert_one_line_error, run_script
+from src.errors import UserError
+from src.onednn_conv import BlockedConv2d, resolve_conv_implementation
+
+
+# (in, out, kernel, stride, padding, input size): every kind of convolution in the ResNets.
+CASES = [(3, 64, 7, 2, 3, 32), (64, 64, 3, 1, 1, 8), (128, 128, 3, 2, 1, 8), (64, 256, 1, 1, 0, 8),
+         (256, 512, 1, 2, 0, 8), (512, 512, 3, 1, 1, 1)]
+
+
+def conv_pair(ci, co, k, s, p):
+    kwargs = dict(stride=s, pad_mode="pad" if p else "valid", padding=p, has_bias=False)
+    plain, blocked = nn.Conv2d(ci, co, k, **kwargs), BlockedConv2d(ci, co, k, **kwargs)
+    blocked.weight.set_data(plain.weight.data)
+    return plain, blocked
+
+
+def forward_and_gradients(conv: nn.Cell, x: np.ndarray, upstream: np.ndarray):
+    def objective(images):
+        return (conv(images) * ms.Tensor(upstream)).sum()
+    grad_fn = ms.value_and_grad(objective, grad_position=0, weights=conv.trainable_params())
+    _, (dx, (dw,)) = grad_fn(ms.Tensor(x))
+    return conv(ms.Tensor(x)).asnumpy(), dx.asnumpy(), dw.asnumpy()
+
+
+def rel(actual: np.ndarray, expected: np.ndarray) -> float:
+    return float(np.abs(actual - expected).max() / np.abs(expected).max())
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[2]}x{c[2]}s{c[3]}p{c[4]}_{c[0]}to{c[1]}_h{c[5]}")
+@pytest.mark.parametrize("mode", [ms.GRAPH_MODE, ms.PYNATIVE_MODE], ids=["graph", "pynative"])
+def test_forward_and_gradients_equal_mindspore_conv2d(case, mode):
+    ms.set_context(mode=mode)
+    ci, co, k, s, p, h = case
+    plain, blocked = conv_pair(ci, co, k, s, p)
+    assert blocked.blocked_op is not None
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((4, ci, h, h)).astype(np.float32)
+    out_h = (h + 2 * p - k) // s + 1
+    upstream = rng.standard_normal((4, co, out_h, out_h)).astype(np.float32)
+    for expected, actual in zip(forward_and_gradients(plain, x, upstream), forward_and_gradients(blocked, x, upstream)):
+        assert actual.shape == expected.shape
+        assert rel(actual, expected) < 1e-5  # float32 rounding of another summation order
+
+
+def test_unsupported_configurations_run_mindspore_conv2d():
+    ms.set_context(mode=ms.GRAPH_MODE)
+    x = ms.Tensor(np.random.default_rng(1).standard_normal((2, 8, 9, 9)).astype(np.float32))
+    for kwargs in (dict(group=2, pad_mode="valid"), dict(dilation=2, pad_mode="valid"),
+                   dict(stride=3, pad_mode="valid"), dict(pad_mode="same", stride=2), dict(pad_mode="pad", padding=5)):
+        blocked = BlockedConv2d(8, 8, 3, has_bias=True, **kwargs)
+        plain = nn.Conv2d(8, 8, 3, has_bias=True, **kwargs)
+        plain.weight.set_data(blocked.weight.data)
+        plain.bias.set_data(blocked.bias.data)
+        assert blocked.blocked_op is None, kwargs
+        np.testing.assert_array_equal(blocked(x).asnumpy(), plain(x).asnumpy())
+
+
+def test_bias_is_added():
+    ms.set_context(mode=ms.GRAPH_MODE)
+    blocked = BlockedConv2d(4, 6, 3, pad_mode="pad", padding=1, has_bias=True, bias_init="normal")
+    plain = nn.Conv2d(4, 6, 3, pad_mode="pad", padding=1, has_bias=True)
+    plain.weight.set_data(blocked.weight.data)
+    plain.bias.set_data(blocked.bias.data)
+    x = ms.Tensor(np.random.default_rng(2).standard_normal((2, 4, 5, 5)).astype(np.float32))
+    assert blocked.blocked_op is not None
+    assert rel(blocked(x).asnumpy(), plain(x).asnumpy()) < 1e-5
+
+
+def test_resolution():
+    assert resolve_conv_implementation("auto", "CPU")[0] == "onednn_blocked"
+    assert resolve_conv_implementation("mindspore", "CPU")[0] == "mindspore"
+    assert resolve_conv_implementation("auto", "Ascend")[0] == "mindspore"
+    with pytest.raises(UserError, match="onednn_blocked runs on CPU only, not GPU"):
+        resolve_conv_implementation("onednn_blocked", "GPU")
+
+
+VERBOSE_SCRIPT = """
+import json, sys
+import numpy as np, mindspore as ms
+from src.resnet import build_resnet
+ms.set_context(mode=ms.GRAPH_MODE)
+net = build_resnet("resnet50", 10, conv_implementation="onednn_blocked")
+net.set_train(False)
+print(json.dumps(float(np.abs(net(ms.Tensor(np.ones((2, 3, 32, 32), np.float32))).asnumpy()).sum())))
+"""
+
+
+def test_oneDNN_runs_the_convolutions_on_blocked_layouts():
+    """oneDNN's own log of what ran: every convolution on a blocked layout, none through GEMM."""
+    env = {key: value for key, value in os.environ.items() if key != "ONEDNN_MAX_CPU_ISA"}
+    env["ONEDNN_VERBOSE"] = "1"
+    process = subprocess.run([sys.executable, "-c", VERBOSE_SCRIPT], cwd=REPO, env=env, capture_output=True,
+                             text=True, timeout=300)
+    assert process.returncode == 0, process.stderr[-3000:]
+    convolutions = [line for line in process.stdout.splitlines()
+                    if line.startswith("onednn_verbose") and ",exec," in line and ",convolution," in line]
+    assert len(convolutions) == 53  # resnet50's convolutions, one forward each
+    for line in convolutions:
+        fields = line.split(",")
+        implementation, layouts, problem = fields[6], fields[8], fields[11]
+        assert "gemm" not in implementation and "ref" not in implementation, line
+        assert re.search(r"dst:f32:a:blocked:aBcd(8|16)b", layouts), line  # channels in blocks of 8 or 16
+        if not problem.startswith("mb2_ic3oc"):  # the 3-channel stem may read its input plain
+            assert re.search(r"src:f32:a:blocked:aBcd(8|16)b", layouts), line
+
+
+def test_stale_library_falls_back_under_auto_and_is_refused_when_asked_for(tmp_path, cifar_dir):
+    """A native/onednn_conv.cc edited after the build: auto logs why and uses MindSpore's Conv2D."""
+    copy = tmp_path / "repo"
+    shutil.copytree(REPO, copy, ignore=shutil.ignore_patterns("data", "output", "build", "*.egg-info", ".git",
+                                                              "__pycache__", "rank_*"))
+    with open(copy / "native" / "onednn_conv.cc", "a", encoding="utf-8") as source:
+        source.write("// edited\n")
+    args = ["--data_path", str(cifar_dir), "--output_path", str(tmp_path / "out"), "--checkpoint_path",
+            str(tmp_path / "missing.ckpt")]
+    env = {key: value for key, value in os.environ.items() if key != "ONEDNN_MAX_CPU_ISA"}
+    auto = subprocess.run([sys.executable, "eval.py", *args], cwd=copy, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert "conv_implementation auto: using mindspore (the installed native convolution library was built from " \
+           "another onednn_conv.cc: run python -m pip install ./native)" in auto.stdout, auto.stdout[-2000:]
+    assert "ONEDNN_MAX_CPU_ISA=AVX2 (project default), convolutions: mindspore" in auto.stdout
+    asked = subprocess.run([sys.executable, "eval.py", *args, "--conv_implementation", "onednn_blocked"], cwd=copy,
+                           env=env, capture_output=True, text=True, timeout=300)
+    assert_one_line_error(asked, "conv_implementation onednn_blocked", "python -m pip install ./native")
+
+
+def test_build_without_a_compiler_installs_and_records_why(tmp_path):
+    """pip install ./native with no working C++ compiler: installed, no library, the reason kept."""
+    target = tmp_path / "site"
+    env = dict(os.environ, CXX=str(tmp_path / "no-such-compiler"))
+    process = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--target", str(target),
+                              str(REPO / "native")], env=env, capture_output=True, text=True, timeout=600)
+    assert process.returncode == 0, process.stdout[-2000:] + process.stderr[-2000:]
+    package = target / "resnet_onednn_conv"
+    assert not (package / "libonednn_conv.so").exists()
+    assert "no-such-compiler" in (package / "BUILD_ERROR.txt").read_text()
+    probe = ("from src.onednn_conv import resolve_conv_implementation; "
+             "print(' | '.join(resolve_conv_implementation('auto', 'CPU')))")
+    resolved = subprocess.run([sys.executable, "-c", probe], cwd=REPO, env=dict(os.environ, PYTHONPATH=str(target)),
+                              capture_output=True, text=True, timeout=120)
+    assert resolved.stdout.startswith("mindspore | the native convolution library failed to build ([Errno 2] "
+                                      "No such file or directory"), resolved.stdout + resolved.stderr
+    assert "no-such-compiler" in resolved.stdout
