@@ -1,11 +1,12 @@
 """Training and inference throughput of this project's ResNet (MindSpore) next to torchvision's (PyTorch),
 with MindSpore's achieved FLOP rate as a share of the machine's fp32 matrix-product (GEMM) rate.
 
-python benchmark.py [--sizes 32,224] [--modes train,eval] [--batch_size 32] [--repeats 3] [--gemm_size 3072]
-                    [--output FILE]
+python benchmark.py [--sizes 32,224] [--modes train,eval] [--batch_size 32] [--repeats 3] [--rounds 1]
+                    [--gemm_size 3072] [--conv_implementation auto|onednn_blocked|mindspore] [--output FILE]
 
 Each (framework, mode, input size) runs in its own process: warmup steps (compilation included) are not
-timed, then --repeats timings of --steps steps; the table reports the median. The GEMM rate is timed the same
+timed, then --repeats timings of --steps steps; the table reports the median, pooled over --rounds rounds that
+alternate the frameworks. MindSpore runs as train.py does, with conv_implementation resolved on CPU. The GEMM rate is timed the same
 way (one n x n product per timing, one process per backend: MindSpore ops.matmul with the oneDNN setting its
 model workers use, numpy, and torch.mm when torch is installed) before and after the model measurements; the
 fastest backend's median is the reference. FLOPs per image are counted from the network (see
@@ -21,12 +22,13 @@ import platform
 import sys
 from dataclasses import asdict, replace
 from pathlib import Path
-from typing import Callable, List
+from typing import Callable, Dict, List
 
-from src.benchmark import (GEMM_BACKENDS, flops_per_image, forward_macs, forward_macs_in_subprocess,
+from src.benchmark import (GEMM_BACKENDS, Measurement, flops_per_image, forward_macs, forward_macs_in_subprocess,
                            measure_gemm_here, measure_gemm_in_subprocess, measure_here, measure_in_subprocess, table,
                            to_json)
 from src.errors import UserError, run_cli
+from src.model_utils.config import CHOICES
 
 # src.resnet.ARCHITECTURES, written out: importing src.resnet loads MindSpore, which the PyTorch and numpy
 # workers (this same script) must stay free of.
@@ -83,10 +85,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--threads", type=_int_at_least(1), default=os.cpu_count() or 1)
     parser.add_argument("--warmup", type=_int_at_least(0), default=2)
     parser.add_argument("--repeats", type=_int_at_least(1), default=3)
+    parser.add_argument("--rounds", type=_int_at_least(1), default=1,
+                        help="times the whole set of measurements is repeated, alternating the frameworks")
     parser.add_argument("--steps", type=_int_at_least(0), default=0,
                         help="steps per repeat (0: 5 at 32x32, 1 at larger sizes)")
     parser.add_argument("--gemm_size", type=_int_at_least(1), default=3072,
                         help="n of the n x n GEMM (3072: 58 GFLOP, about 0.3-0.8 s a product on 2 cores)")
+    parser.add_argument("--conv_implementation", choices=CHOICES["conv_implementation"], default="auto",
+                        help="MindSpore's convolutions, as the config key (auto: onednn_blocked when built)")
     parser.add_argument("--output", default="benchmark.json")
     parser.add_argument("--worker", choices=WORKERS, help=argparse.SUPPRESS)
     return parser.parse_args(argv)
@@ -100,9 +106,9 @@ def run_worker(args: argparse.Namespace) -> object:
         return {str(size): forward_macs(args.model_name, size, classes) for size in args.sizes}
     if args.worker.startswith("gemm-"):
         return asdict(measure_gemm_here(args.worker[len("gemm-"):], args.gemm_size, args.threads, args.warmup,
-                                        args.repeats))
+                                        args.repeats, args.conv_implementation))
     return asdict(measure_here(args.worker, args.modes[0], args.model_name, args.sizes[0], args.batch_size,
-                               args.threads, args.warmup, args.repeats, args.steps or 1))
+                               args.threads, args.warmup, args.repeats, args.steps or 1, args.conv_implementation))
 
 
 def main() -> int:
@@ -125,7 +131,7 @@ def main() -> int:
         for backend in gemm_backends:
             print(f"measuring GEMM {backend} ({phase}) ...", file=sys.stderr, flush=True)
             gemms.append(measure_gemm_in_subprocess(backend, args.gemm_size, args.threads, args.warmup, args.repeats,
-                                                    phase))
+                                                    phase, args.conv_implementation))
         return gemms
 
     print(f"counting {args.model_name} FLOPs ...", file=sys.stderr, flush=True)
@@ -133,20 +139,33 @@ def main() -> int:
     # GEMM both before and after the models: the machine has slow phases, and the two rounds show drift across
     # the run; the reference pools both rounds' timings, so one phase doesn't decide it.
     gemms = measure_gemms("before")
-    measurements = []
-    for size in args.sizes:
-        for mode in args.modes:
-            for framework in frameworks:
-                steps = args.steps or (5 if size <= 64 else 1)
-                print(f"measuring {framework} {mode} {size}x{size} ...", file=sys.stderr, flush=True)
-                measurement = measure_in_subprocess(framework, mode, args.model_name, size, args.batch_size,
-                                                    args.threads, args.warmup, args.repeats, steps)
-                measurements.append(replace(measurement, flops_per_image=flops_per_image(macs[size], mode)))
+    measurements: Dict[tuple, Measurement] = {}
+    # Several rounds alternate the frameworks over the whole run, so a slow phase of the machine hits both;
+    # each (framework, mode, size) pools its timings over the rounds.
+    for round_number in range(1, args.rounds + 1):
+        for size in args.sizes:
+            for mode in args.modes:
+                for framework in frameworks:
+                    steps = args.steps or (5 if size <= 64 else 1)
+                    print(f"measuring {framework} {mode} {size}x{size} (round {round_number} of {args.rounds}) ...",
+                          file=sys.stderr, flush=True)
+                    measurement = measure_in_subprocess(framework, mode, args.model_name, size, args.batch_size,
+                                                        args.threads, args.warmup, args.repeats, steps,
+                                                        args.conv_implementation)
+                    key = (framework, mode, size)
+                    if key in measurements:
+                        measurement = replace(measurement, seconds_per_step=measurements[key].seconds_per_step +
+                                              measurement.seconds_per_step)
+                    measurements[key] = replace(measurement, flops_per_image=flops_per_image(macs[size], mode))
+    measurements = list(measurements.values())
     gemms += measure_gemms("after")
     environment = {"date": datetime.date.today().isoformat(), "machine": platform.machine(),
                    "processor": _cpu_name(), "cores": str(os.cpu_count()), "python": platform.python_version(),
-                   "mindspore": importlib.metadata.version("mindspore"), "model": args.model_name,
-                   "ONEDNN_MAX_CPU_ISA": os.environ.get("ONEDNN_MAX_CPU_ISA", "AVX2 (project default)")}
+                   "mindspore": importlib.metadata.version("mindspore"), "model": args.model_name}
+    ran = {(m.conv_implementation, m.onednn_max_cpu_isa) for m in measurements if m.framework == "mindspore"}
+    if ran:  # what the MindSpore workers resolved (the same in each)
+        environment["mindspore_convolutions"] = ", ".join(sorted(r[0] for r in ran))
+        environment["ONEDNN_MAX_CPU_ISA"] = ", ".join(sorted(r[1] for r in ran))
     if torch_version:
         environment["torch"] = torch_version
     print(" ".join(f"{k}={v}" for k, v in environment.items()))

@@ -11,7 +11,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -32,6 +32,8 @@ class Measurement:
     threads: int
     seconds_per_step: List[float]
     flops_per_image: Optional[int] = None  # filled in by the parent process (see flops_per_image)
+    conv_implementation: str = ""  # MindSpore's: the convolutions it ran (src/onednn_conv.py)
+    onednn_max_cpu_isa: str = ""  # MindSpore's: the oneDNN instruction-set setting it ran under
 
     @property
     def images_per_second(self) -> float:
@@ -85,21 +87,29 @@ def _run_worker(args: List[str], threads: int, what: str):
     return json.loads(process.stdout.strip().splitlines()[-1])
 
 
-def mindspore_step(mode: str, model_name: str, image_size: int, batch_size: int,
-                   total_steps: int) -> Callable[[], None]:
+def mindspore_cpu_setting(conv_implementation: str) -> Tuple[str, str]:
+    """Resolves conv_implementation on CPU and applies its oneDNN setting, as train.py does: (implementation,
+    ONEDNN_MAX_CPU_ISA in force)."""
+    from src.onednn_conv import resolve_conv_implementation
+    from src.utils import apply_cpu_speed_setting
+
+    implementation, _ = resolve_conv_implementation(conv_implementation, "CPU")
+    return implementation, apply_cpu_speed_setting(conv_implementation=implementation)
+
+
+def mindspore_step(mode: str, model_name: str, image_size: int, batch_size: int, total_steps: int,
+                   conv_implementation: str = "mindspore") -> Callable[[], None]:
     """One training step (TrainOneStepCell with Adam, as train.py builds it) or one inference forward."""
     import mindspore as ms
     from src.lr_schedule import schedule_from_config
     from src.model_utils.config import load_config
     from src.resnet import build_resnet
     from src.trainer import build_optimizer, build_train_step
-    from src.utils import apply_cpu_speed_setting
 
-    apply_cpu_speed_setting()
     ms.set_seed(1)
     ms.set_context(mode=ms.GRAPH_MODE)
     config = load_config([], prog="benchmark.py")
-    net = build_resnet(model_name, config.class_num)
+    net = build_resnet(model_name, config.class_num, conv_implementation=conv_implementation)
     rng = np.random.default_rng(0)
     images = ms.Tensor(rng.standard_normal((batch_size, 3, image_size, image_size), np.float32))
     labels = ms.Tensor(rng.integers(0, config.class_num, batch_size).astype(np.int32))
@@ -140,37 +150,40 @@ def torch_step(mode: str, model_name: str, image_size: int, batch_size: int) -> 
 
 
 def measure_here(framework: str, mode: str, model_name: str, image_size: int, batch_size: int, threads: int,
-                 warmup: int, repeats: int, steps: int) -> Measurement:
-    """Runs one measurement in this process."""
+                 warmup: int, repeats: int, steps: int, conv_implementation: str = "auto") -> Measurement:
+    """Runs one measurement in this process; MindSpore's convolutions as conv_implementation resolves on CPU."""
+    implementation = isa = ""
     if framework == "torch":
         import torch
         torch.set_num_threads(threads)
         run_step = torch_step(mode, model_name, image_size, batch_size)
     else:
-        run_step = mindspore_step(mode, model_name, image_size, batch_size, warmup + repeats * steps)
+        implementation, isa = mindspore_cpu_setting(conv_implementation)
+        run_step = mindspore_step(mode, model_name, image_size, batch_size, warmup + repeats * steps, implementation)
     timings = _time_steps(run_step, warmup, repeats, steps)
-    return Measurement(framework, mode, image_size, batch_size, threads, timings)
+    return Measurement(framework, mode, image_size, batch_size, threads, timings, conv_implementation=implementation,
+                       onednn_max_cpu_isa=isa)
 
 
 def measure_in_subprocess(framework: str, mode: str, model_name: str, image_size: int, batch_size: int, threads: int,
-                          warmup: int, repeats: int, steps: int) -> Measurement:
+                          warmup: int, repeats: int, steps: int, conv_implementation: str = "auto") -> Measurement:
     args = ["--worker", framework, "--modes", mode, "--model_name", model_name, "--sizes", str(image_size),
-            "--batch_size", str(batch_size), "--warmup", str(warmup), "--repeats", str(repeats), "--steps", str(steps)]
+            "--batch_size", str(batch_size), "--warmup", str(warmup), "--repeats", str(repeats), "--steps", str(steps),
+            "--conv_implementation", conv_implementation]
     return Measurement(**_run_worker(args, threads, f"{framework} {mode} {image_size}"))
 
 
-def measure_gemm_here(backend: str, n: int, threads: int, warmup: int, repeats: int) -> GemmMeasurement:
+def measure_gemm_here(backend: str, n: int, threads: int, warmup: int, repeats: int,
+                      conv_implementation: str = "auto") -> GemmMeasurement:
     """Times `repeats` products of two random n x n float32 matrices after max(warmup, 1) untimed ones (the first
-    pays for allocation and thread start-up). The MindSpore backend caps oneDNN's ISA as the model workers do."""
+    pays for allocation and thread start-up). The MindSpore backend gets the model workers' oneDNN setting."""
     rng = np.random.default_rng(0)
     a, b = (rng.standard_normal((n, n), np.float32) for _ in range(2))
     isa = os.environ.get("ONEDNN_MAX_CPU_ISA")
     if backend == "mindspore":
         import mindspore as ms
         from mindspore import ops
-        from src.utils import apply_cpu_speed_setting
-
-        isa = apply_cpu_speed_setting()
+        _, isa = mindspore_cpu_setting(conv_implementation)
         a, b = ms.Tensor(a), ms.Tensor(b)
         product = lambda: ops.matmul(a, b).asnumpy()  # noqa: E731 (asnumpy waits for PyNative's async launch)
     elif backend == "torch":
@@ -188,8 +201,9 @@ def measure_gemm_here(backend: str, n: int, threads: int, warmup: int, repeats: 
 
 
 def measure_gemm_in_subprocess(backend: str, n: int, threads: int, warmup: int, repeats: int,
-                               phase: str) -> GemmMeasurement:
-    args = ["--worker", f"gemm-{backend}", "--gemm_size", str(n), "--warmup", str(warmup), "--repeats", str(repeats)]
+                               phase: str, conv_implementation: str = "auto") -> GemmMeasurement:
+    args = ["--worker", f"gemm-{backend}", "--gemm_size", str(n), "--warmup", str(warmup), "--repeats", str(repeats),
+            "--conv_implementation", conv_implementation]
     return GemmMeasurement(**dict(_run_worker(args, threads, f"GEMM {backend}"), phase=phase))
 
 

@@ -98,7 +98,8 @@ def test_rates_pool_phases_and_percentages_use_the_fastest_backend():
 def test_end_to_end_run_writes_flop_rates_and_gemm_rates(tmp_path):
     output = tmp_path / "bench.json"
     process = run_script("benchmark.py", ["--sizes", "32", "--modes", "eval", "--model_name", "resnet18",
-                                          "--batch_size", "4", "--repeats", "1", "--warmup", "1", "--steps", "1",
+                                          "--batch_size", "4", "--repeats", "1", "--rounds", "2", "--warmup", "1",
+                                          "--steps", "1",
                                           "--gemm_size", "256", "--output", str(output)], timeout=300)
     assert process.returncode == 0, process.stderr[-3000:]
     assert "| GFLOP/image | MindSpore GFLOP/s | MindSpore % of GEMM |" in process.stdout
@@ -112,15 +113,19 @@ def test_end_to_end_run_writes_flop_rates_and_gemm_rates(tmp_path):
         [(b, "before") for b in backends] + [(b, "after") for b in backends])
     assert all(g["gflops_per_second"] > 0 and g["n"] == 256 for g in gemm["measurements"])
     assert gemm["reference_gflops_per_second"] == max(gemm["gflops_per_second_by_backend"].values())
-    isa = {g["onednn_max_cpu_isa"] for g in gemm["measurements"] if g["backend"] == "mindspore"}
-    assert isa == {os.environ["ONEDNN_MAX_CPU_ISA"]}  # the MindSpore model workers' setting
     frameworks = ["mindspore"] + (["torch"] if TORCH_USABLE else [])
     assert [m["framework"] for m in result["measurements"]] == frameworks
+    # The project's defaults, as train.py applies them: blocked-layout convolutions, oneDNN uncapped.
+    ours = result["measurements"][0]
+    assert (ours["conv_implementation"], ours["onednn_max_cpu_isa"]) == ("onednn_blocked", "all")
+    assert "mindspore_convolutions=onednn_blocked ONEDNN_MAX_CPU_ISA=all" in process.stdout
+    isa = {g["onednn_max_cpu_isa"] for g in gemm["measurements"] if g["backend"] == "mindspore"}
+    assert isa == {"all"}  # the MindSpore model workers' setting
     for m in result["measurements"]:
+        assert len(m["seconds_per_step"]) == 2  # one repeat in each of the 2 rounds
         assert m["flops_per_image"] == 2 * macs
         assert m["gflops_per_second"] == pytest.approx(2 * macs * m["images_per_second"] / 1e9)
         assert m["percent_of_gemm"] == pytest.approx(100 * m["gflops_per_second"] / gemm["reference_gflops_per_second"])
-    ours = result["measurements"][0]
     assert f"| {ours['gflops_per_second']:.1f} | {ours['percent_of_gemm']:.1f} |" in process.stdout
 
 
