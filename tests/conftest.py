@@ -7,8 +7,10 @@ from typing import Dict, List, Optional
 
 # In-process tests run MindSpore's own convolutions, which need oneDNN capped at AVX2 on AVX-512 machines
 # (see README); set before MindSpore runs a conv. Scripts the tests start choose for themselves (script_env).
-ISA_SET_BY_TESTS = "ONEDNN_MAX_CPU_ISA" not in os.environ
-os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX2")
+# (The marker variable carries this to pytest-xdist's workers, which inherit the environment set here.)
+ISA_SET_BY_TESTS = "ONEDNN_MAX_CPU_ISA" not in os.environ or os.environ.get("TESTS_SET_ONEDNN_ISA") == "1"
+if ISA_SET_BY_TESTS:
+    os.environ.update(ONEDNN_MAX_CPU_ISA="AVX2", TESTS_SET_ONEDNN_ISA="1")
 
 import pytest  # noqa: E402
 
@@ -32,6 +34,7 @@ def script_env(extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:
     env = dict(os.environ)
     if ISA_SET_BY_TESTS:
         env.pop("ONEDNN_MAX_CPU_ISA", None)
+        env.pop("TESTS_SET_ONEDNN_ISA", None)
     env.update(extra or {})
     return env
 

@@ -15,7 +15,7 @@ def fenced_commands(text: str):
 def test_ci_runs_exactly_the_readme_test_command():
     ci_lines = [line.strip() for line in (REPO / ".ci" / "run").read_text().splitlines()
                 if line.strip() and not line.lstrip().startswith("#")]
-    test_command = "python -m pip install -r requirements-dev.txt && python -m pytest -q"
+    test_command = "python -m pip install -r requirements-dev.txt && python -m pytest -q -n 2 --dist loadfile"
     assert ci_lines[-1] == test_command
     assert test_command in fenced_commands(README)
 
