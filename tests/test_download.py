@@ -9,8 +9,6 @@ import logging
 import random
 import socket
 import tarfile
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Dict, List
 
@@ -18,6 +16,7 @@ import numpy as np
 import pytest
 
 from conftest import FAST_ARGS, assert_one_line_error, run_script
+from local_http import LocalServer, no_proxy_for_localhost  # noqa: F401 (an autouse fixture)
 from src.cifar_download import ARCHIVE_FOLDER, download_cifar10, file_md5
 from src.dataset import FILE_BYTES, RECORD_BYTES, RECORDS_PER_FILE, TEST_FILE, TRAIN_FILES
 from src.errors import UserError
@@ -74,62 +73,9 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-class _Handler(BaseHTTPRequestHandler):
-    def do_GET(self):  # noqa: N802 (http.server's naming)
-        self.server.requests.append(self.path)
-        content = self.server.files.get(self.path)
-        if content is None:
-            self.send_error(404, "Not Found")
-            return
-        self.send_response(200)
-        self.send_header("Content-Type", "application/gzip")
-        self.send_header("Content-Length", str(len(content)))
-        self.end_headers()
-        self.wfile.write(content)
-
-    def log_message(self, *args):  # keep pytest's output clean
-        pass
-
-
-class LocalServer:
-    """A ThreadingHTTPServer on 127.0.0.1:<free port> serving in-memory files and recording each request."""
-
-    def __init__(self) -> None:
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
-        self.httpd.daemon_threads = True
-        self.httpd.files = {}
-        self.httpd.requests = []
-        self.thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
-        self.thread.start()
-
-    @property
-    def requests(self) -> List[str]:
-        return self.httpd.requests
-
-    def serve(self, data: bytes, name: str = ARCHIVE_NAME) -> str:
-        """Serves data at /name and returns its URL."""
-        self.httpd.files[f"/{name}"] = data
-        return self.url(name)
-
-    def url(self, name: str = ARCHIVE_NAME) -> str:
-        return f"http://127.0.0.1:{self.httpd.server_address[1]}/{name}"
-
-    def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
-        self.thread.join(timeout=5)
-
-
-@pytest.fixture(autouse=True)
-def _no_proxy_for_localhost(monkeypatch):
-    """urllib honours *_proxy variables; make sure requests to the local server never go through one."""
-    monkeypatch.setenv("no_proxy", "127.0.0.1,localhost")
-    monkeypatch.setenv("NO_PROXY", "127.0.0.1,localhost")
-
-
 @pytest.fixture
 def server():
-    local = LocalServer()
+    local = LocalServer(default_name=ARCHIVE_NAME)
     yield local
     local.close()
 

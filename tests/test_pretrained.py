@@ -7,8 +7,6 @@ Nothing here reaches the internet: every file is generated in the test and serve
 import hashlib
 import logging
 import re
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Dict, List
 
@@ -19,6 +17,7 @@ import yaml
 import mindspore as ms
 
 from conftest import FAST_ARGS, assert_one_line_error, run_script
+from local_http import NO_PROXY, LocalServer, no_proxy_for_localhost  # noqa: F401 (an autouse fixture)
 from src.errors import UserError
 from src.model_utils.config import load_config
 from src.pretrained import (REGISTRY_PATH, download, fetch, hash_in_file_name, load_pretrained, read_registry,
@@ -26,61 +25,9 @@ from src.pretrained import (REGISTRY_PATH, download, fetch, hash_in_file_name, l
 from src.resnet import build_resnet
 
 LOGGER_NAME = "test_pretrained"
-NO_PROXY = {"no_proxy": "127.0.0.1,localhost", "NO_PROXY": "127.0.0.1,localhost"}
 
 
 # ------------------------------------------------------------------------------ a local HTTP server
-
-
-class _Handler(BaseHTTPRequestHandler):
-    def do_GET(self):  # noqa: N802 (http.server's naming)
-        self.server.requests.append(self.path)
-        content = self.server.files.get(self.path)
-        if content is None:
-            self.send_error(404, "Not Found")
-            return
-        declared = self.server.declared_lengths.get(self.path, len(content))
-        self.send_response(200)
-        self.send_header("Content-Type", "application/octet-stream")
-        self.send_header("Content-Length", str(declared))
-        self.end_headers()
-        self.wfile.write(content)  # fewer bytes than declared: the connection then closes early
-
-    def log_message(self, *args):
-        pass
-
-
-class LocalServer:
-    def __init__(self) -> None:
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
-        self.httpd.daemon_threads = True
-        self.httpd.files, self.httpd.requests, self.httpd.declared_lengths = {}, [], {}
-        self.thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
-        self.thread.start()
-
-    @property
-    def requests(self) -> List[str]:
-        return self.httpd.requests
-
-    def serve(self, data: bytes, name: str, declared_length: int = 0) -> str:
-        self.httpd.files[f"/{name}"] = data
-        if declared_length:
-            self.httpd.declared_lengths[f"/{name}"] = declared_length
-        return self.url(name)
-
-    def url(self, name: str) -> str:
-        return f"http://127.0.0.1:{self.httpd.server_address[1]}/{name}"
-
-    def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
-        self.thread.join(timeout=5)
-
-
-@pytest.fixture(autouse=True)
-def _no_proxy_for_localhost(monkeypatch):
-    for key, value in NO_PROXY.items():
-        monkeypatch.setenv(key, value)
 
 
 @pytest.fixture
