@@ -12,6 +12,7 @@ ISA_SET_BY_TESTS = "ONEDNN_MAX_CPU_ISA" not in os.environ or os.environ.get("TES
 if ISA_SET_BY_TESTS:
     os.environ.update(ONEDNN_MAX_CPU_ISA="AVX2", TESTS_SET_ONEDNN_ISA="1")
 
+import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -55,3 +56,36 @@ def assert_one_line_error(process: subprocess.CompletedProcess, *fragments: str)
     for fragment in fragments:
         assert fragment in errors[0], (fragment, errors[0])
     return errors[0]
+
+
+def one_line_user_error(excinfo, *fragments: str) -> str:
+    """The raised exception is a UserError whose message is one line naming every fragment."""
+    from src.errors import UserError
+    message = str(excinfo.value)
+    assert excinfo.type is UserError
+    assert "\n" not in message and "\r" not in message, message
+    for fragment in fragments:
+        assert fragment in message, (fragment, message)
+    return message
+
+
+def flip_one_byte(data: bytes) -> bytes:
+    """data with its middle byte inverted: the same length, another checksum."""
+    middle = len(data) // 2
+    return data[:middle] + bytes([data[middle] ^ 0xFF]) + data[middle + 1:]
+
+
+def randomise_batchnorm(module, rng, batches_tracked: bool = True) -> None:
+    """Non-trivial affine parameters and running statistics for every torch BatchNorm2d in module (and a
+    random num_batches_tracked), so that every converted field matters."""
+    import torch
+    with torch.no_grad():
+        for sub in module.modules():
+            if isinstance(sub, torch.nn.BatchNorm2d):
+                c = sub.num_features
+                sub.weight.copy_(torch.from_numpy(rng.uniform(0.5, 1.5, c).astype(np.float32)))
+                sub.bias.copy_(torch.from_numpy(rng.normal(0.0, 0.2, c).astype(np.float32)))
+                sub.running_mean.copy_(torch.from_numpy(rng.normal(0.0, 0.2, c).astype(np.float32)))
+                sub.running_var.copy_(torch.from_numpy(rng.uniform(0.5, 2.0, c).astype(np.float32)))
+                if batches_tracked:
+                    sub.num_batches_tracked.fill_(int(rng.integers(0, 1000)))

@@ -9,6 +9,7 @@ import pytest
 
 import mindspore as ms
 
+from conftest import one_line_user_error
 from src.checkpoint import (PARTIAL_DIR, describe_weights, link_or_copy_atomic, load_weights, network_weights,
                             read_checkpoint, save_checkpoint_atomic)
 from src.errors import UserError
@@ -31,16 +32,6 @@ def params_of(net) -> dict:
 def as_save_list(arrays: dict) -> list:
     """The list form save_checkpoint accepts: [{'name', 'data'}]."""
     return [{"name": name, "data": ms.Tensor(value)} for name, value in arrays.items()]
-
-
-def one_line_user_error(excinfo, *fragments: str) -> str:
-    """The UserError message is one line and names every fragment."""
-    message = str(excinfo.value)
-    assert excinfo.type is UserError
-    assert "\n" not in message and "\r" not in message, message
-    for fragment in fragments:
-        assert fragment in message, (fragment, message)
-    return message
 
 
 def read_user_error(path) -> str:

@@ -19,6 +19,7 @@ import pytest
 import mindspore as ms
 from mindspore import nn
 
+from conftest import one_line_user_error
 from src.checkpoint import describe_weights, load_weights, load_weights_report, save_checkpoint_atomic
 from src.checkpoint_formats import (MINDCV, OURS, TORCH, ZOO, detect_format, find_wrapper_prefix, is_training_state,
                                     match_names, to_our_name, zoo_bn_eps)
@@ -237,14 +238,6 @@ def logits(net: nn.Cell, images: np.ndarray) -> np.ndarray:
 def logger(caplog):
     caplog.set_level(logging.INFO, logger=LOGGER_NAME)
     return logging.getLogger(LOGGER_NAME)
-
-
-def one_line(excinfo, *fragments: str) -> str:
-    message = str(excinfo.value)
-    assert excinfo.type is UserError and "\n" not in message, message
-    for fragment in fragments:
-        assert fragment in message, (fragment, message)
-    return message
 
 
 IMAGES = np.random.default_rng(0).normal(size=(2, 3, 32, 32)).astype(np.float32)
@@ -501,7 +494,7 @@ def test_zoo_resnet50_into_resnet18_names_the_architecture(foreign_checkpoints, 
     before = net.conv1.weight.asnumpy().copy()
     with pytest.raises(UserError) as excinfo:
         load_weights(net, str(path), "resnet18", logger)
-    one_line(excinfo, str(path), "resnet50", "--model_name resnet50")
+    one_line_user_error(excinfo, str(path), "resnet50", "--model_name resnet50")
     np.testing.assert_array_equal(net.conv1.weight.asnumpy(), before)
 
 
@@ -512,7 +505,7 @@ def test_deeper_checkpoint_holding_every_name_is_still_refused(tmp_path, logger)
     net = build_resnet("resnet18", 10)
     with pytest.raises(UserError) as excinfo:
         load_weights(net, str(path), "resnet18", logger)
-    one_line(excinfo, str(path), "resnet34", "--model_name resnet34")
+    one_line_user_error(excinfo, str(path), "resnet34", "--model_name resnet34")
 
 
 @pytest.mark.parametrize("scheme", [ZOO, MINDCV])
@@ -523,7 +516,7 @@ def test_foreign_head_mismatch_is_refused_unless_a_new_head_is_allowed(foreign_c
     before = net.conv1.weight.asnumpy().copy()
     with pytest.raises(UserError) as excinfo:
         load_weights(net, str(path), "resnet18", logger)
-    one_line(excinfo, str(path), "1000-class head", "--class_num 1000")
+    one_line_user_error(excinfo, str(path), "1000-class head", "--class_num 1000")
     np.testing.assert_array_equal(net.conv1.weight.asnumpy(), before)
 
     report = load_weights_report(net, str(path), "resnet18", logger, allow_new_head=True)
@@ -550,7 +543,7 @@ def test_zoo_se_resnet_is_refused(tmp_path, logger):
     ms.save_checkpoint([{"name": n, "data": ms.Tensor(v)} for n, v in se.items()], str(path))
     with pytest.raises(UserError) as excinfo:
         load_weights(build_resnet("resnet50", 10), str(path), "resnet50", logger)
-    one_line(excinfo, str(path), "missing", "conv1.weight")
+    one_line_user_error(excinfo, str(path), "missing", "conv1.weight")
 
 
 @pytest.mark.parametrize("pin, ok", [("", True), ("full", True), ("prefix", True), ("wrong", False),
@@ -568,9 +561,9 @@ def test_checkpoint_sha256_pin_on_load(foreign_checkpoints, logger, pin, ok):
     with pytest.raises(UserError) as excinfo:
         load_weights(net, str(path), "resnet18", logger, sha256=value)
     if pin == "wrong":
-        one_line(excinfo, str(path), digest, "--checkpoint_sha256")
+        one_line_user_error(excinfo, str(path), digest, "--checkpoint_sha256")
     else:
-        one_line(excinfo, "checkpoint_sha256", "8 to 64 hex digits")
+        one_line_user_error(excinfo, "checkpoint_sha256", "8 to 64 hex digits")
 
 
 def test_pth_that_needs_unpickling_is_refused(tmp_path, logger):
@@ -579,7 +572,7 @@ def test_pth_that_needs_unpickling_is_refused(tmp_path, logger):
     torch.save(torch.nn.Linear(2, 2), path)  # a whole module: needs arbitrary unpickling
     with pytest.raises(UserError) as excinfo:
         load_weights(build_resnet("resnet18", 10), str(path), "resnet18", logger)
-    one_line(excinfo, str(path), "unpickle")
+    one_line_user_error(excinfo, str(path), "unpickle")
 
 
 @pytest.mark.parametrize("content", [b"", b"PK\x03\x04 not really a zip", b"\x80\x02 broken pickle"],
@@ -589,7 +582,7 @@ def test_damaged_files_are_refused_in_one_line(tmp_path, logger, content):
     path.write_bytes(content)
     with pytest.raises(UserError) as excinfo:
         load_weights(build_resnet("resnet18", 10), str(path), "resnet18", logger)
-    one_line(excinfo, str(path))
+    one_line_user_error(excinfo, str(path))
 
 
 def test_describe_weights_understands_converted_foreign_names(foreign_checkpoints):
@@ -606,4 +599,4 @@ def test_mindspore_checkpoint_with_a_torch_suffix_is_one_line(tmp_path, logger):
     path = (tmp_path / "saved.ckpt").rename(tmp_path / "misnamed.pth")
     with pytest.raises(UserError) as excinfo:
         load_weights(build_resnet("resnet18", 10), str(path), "resnet18", logger)
-    one_line(excinfo, str(path), "not a PyTorch checkpoint")
+    one_line_user_error(excinfo, str(path), "not a PyTorch checkpoint")

@@ -15,7 +15,7 @@ from typing import Dict, List
 import numpy as np
 import pytest
 
-from conftest import FAST_ARGS, assert_one_line_error, run_script
+from conftest import FAST_ARGS, assert_one_line_error, flip_one_byte, run_script
 from local_http import LocalServer, no_proxy_for_localhost  # noqa: F401 (an autouse fixture)
 from src.cifar_download import ARCHIVE_FOLDER, download_cifar10, file_md5
 from src.dataset import FILE_BYTES, RECORD_BYTES, RECORDS_PER_FILE, TEST_FILE, TRAIN_FILES
@@ -55,11 +55,6 @@ def full_size_batch(file_index: int) -> bytes:
     records[:, 0] = (np.arange(RECORDS_PER_FILE) + file_index) % 10
     records[:, 1 + file_index] = 200  # one bright pixel so the files differ
     return records.tobytes()
-
-
-def flip_one_byte(data: bytes) -> bytes:
-    middle = len(data) // 2
-    return data[:middle] + bytes([data[middle] ^ 0xFF]) + data[middle + 1:]
 
 
 def md5_of(data: bytes) -> str:

@@ -5,7 +5,6 @@ import re
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,7 +12,7 @@ import pytest
 import mindspore as ms
 from mindspore import nn
 
-from conftest import REPO, assert_one_line_error, run_script
+from conftest import REPO, assert_one_line_error
 from src.errors import UserError
 from src.onednn_conv import BlockedConv2d, resolve_conv_implementation
 

@@ -16,7 +16,7 @@ import yaml
 
 import mindspore as ms
 
-from conftest import FAST_ARGS, assert_one_line_error, run_script
+from conftest import FAST_ARGS, assert_one_line_error, flip_one_byte, one_line_user_error, run_script
 from local_http import NO_PROXY, LocalServer, no_proxy_for_localhost  # noqa: F401 (an autouse fixture)
 from src.errors import UserError
 from src.model_utils.config import load_config
@@ -47,21 +47,8 @@ def sha256_of(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def flip_one_byte(data: bytes) -> bytes:
-    middle = len(data) // 2
-    return data[:middle] + bytes([data[middle] ^ 0xFF]) + data[middle + 1:]
-
-
 def files_in(folder: Path) -> List[str]:
     return sorted(p.name for p in folder.iterdir()) if folder.exists() else []
-
-
-def one_line(excinfo, *fragments: str) -> str:
-    message = str(excinfo.value)
-    assert excinfo.type is UserError and "\n" not in message, message
-    for fragment in fragments:
-        assert fragment in message, (fragment, message)
-    return message
 
 
 @pytest.fixture(scope="module")
@@ -119,7 +106,7 @@ def test_broken_registry_file_is_one_line(tmp_path, logger):
     registry.write_text("torchvision_imagenet:\n  models:\n    resnet18: {url: x}\n")
     with pytest.raises(UserError) as excinfo:
         resolve_pretrained("torchvision_imagenet", "resnet18", str(tmp_path), "", logger, registry)
-    one_line(excinfo, str(registry), "sha256_prefix")
+    one_line_user_error(excinfo, str(registry), "sha256_prefix")
 
 
 # ------------------------------------------------------------------------------------- downloads and the cache
@@ -149,7 +136,7 @@ def test_damaged_download_is_refused_and_removed(server, tmp_path, logger):
     cache = tmp_path / "cache"
     with pytest.raises(UserError) as excinfo:
         resolve_pretrained(url, "resnet18", str(cache), "", logger)
-    one_line(excinfo, url, "SHA-256", sha256_of(data)[:8], "removed")
+    one_line_user_error(excinfo, url, "SHA-256", sha256_of(data)[:8], "removed")
     assert files_in(cache) == []
 
 
@@ -159,14 +146,14 @@ def test_truncated_download_is_refused_and_removed(server, tmp_path, logger):
     cache = tmp_path / "cache"
     with pytest.raises(UserError) as excinfo:
         resolve_pretrained(url, "resnet18", str(cache), sha256_of(data), logger)
-    one_line(excinfo, url)
+    one_line_user_error(excinfo, url)
     assert files_in(cache) == []
 
 
 def test_missing_url_is_refused(server, tmp_path, logger):
     with pytest.raises(UserError) as excinfo:
         resolve_pretrained(server.url("nothing-here.pth"), "resnet18", str(tmp_path / "cache"), "", logger)
-    one_line(excinfo, server.url("nothing-here.pth"), "Not Found", "--pretrained FILE")
+    one_line_user_error(excinfo, server.url("nothing-here.pth"), "Not Found", "--pretrained FILE")
     assert files_in(tmp_path / "cache") == []
 
 
@@ -179,7 +166,7 @@ def test_checkpoint_sha256_pins_a_download_and_wins_over_the_name(server, tmp_pa
     wrong = sha256_of(b"something else")
     with pytest.raises(UserError) as excinfo:
         resolve_pretrained(url, "resnet18", str(tmp_path / "b"), wrong, logger)
-    one_line(excinfo, url, sha256_of(data), wrong)
+    one_line_user_error(excinfo, url, sha256_of(data), wrong)
     assert files_in(tmp_path / "b") == []
 
 
@@ -197,7 +184,7 @@ def test_damaged_cached_file_is_refused_and_left_for_inspection(server, tmp_path
     (tmp_path / name).write_bytes(flip_one_byte(data))
     with pytest.raises(UserError) as excinfo:
         fetch(url, str(tmp_path), sha256_of(data)[:8], logger)
-    one_line(excinfo, str(tmp_path / name), "delete it")
+    one_line_user_error(excinfo, str(tmp_path / name), "delete it")
     assert server.requests == [] and (tmp_path / name).read_bytes() == flip_one_byte(data)
 
 
@@ -227,7 +214,7 @@ def test_unwritable_cache_dir_is_one_line(server, tmp_path, logger):
     url = server.serve(b"data", "weights.pth")
     with pytest.raises(UserError) as excinfo:
         resolve_pretrained(url, "resnet18", str(blocker / "cache"), "", logger)
-    one_line(excinfo, "pretrained_cache_dir")
+    one_line_user_error(excinfo, "pretrained_cache_dir")
 
 
 # ------------------------------------------------------------------------------------ the registry route
@@ -272,7 +259,7 @@ def test_registry_has_no_entry_for_the_model(local_registry, tmp_path, logger):
     registry, _, _ = local_registry
     with pytest.raises(UserError) as excinfo:
         resolve_pretrained("torchvision_imagenet", "resnet50", str(tmp_path), "", logger, registry)
-    one_line(excinfo, "resnet50", "resnet18")
+    one_line_user_error(excinfo, "resnet50", "resnet18")
 
 
 def test_pin_contradicting_the_registry_is_refused_before_downloading(local_registry, server, tmp_path, logger):
@@ -280,7 +267,7 @@ def test_pin_contradicting_the_registry_is_refused_before_downloading(local_regi
     other = ("1" if prefix[0] == "0" else "0") + prefix[1:]
     with pytest.raises(UserError) as excinfo:
         resolve_pretrained("torchvision_imagenet", "resnet18", str(tmp_path), other, logger, registry)
-    one_line(excinfo, other, prefix)
+    one_line_user_error(excinfo, other, prefix)
     assert server.requests == []
 
 
@@ -292,7 +279,7 @@ def test_pin_contradicting_the_registry_is_refused_before_downloading(local_regi
 def test_unknown_pretrained_values_are_one_line(tmp_path, logger, value, fragments):
     with pytest.raises(UserError) as excinfo:
         resolve_pretrained(value, "resnet18", str(tmp_path), "", logger)
-    one_line(excinfo, *fragments)
+    one_line_user_error(excinfo, *fragments)
 
 
 # ------------------------------------------------------------------------------- load_pretrained and --resume
@@ -314,7 +301,7 @@ def test_local_file_pin_mismatch_is_refused(tmp_path, logger):
     with pytest.raises(UserError) as excinfo:
         load_pretrained(build_resnet("resnet18", 10), config_for("--pretrained", str(path), "--checkpoint_sha256",
                                                                  "ab" * 32), logger)
-    one_line(excinfo, str(path), "ab" * 32)
+    one_line_user_error(excinfo, str(path), "ab" * 32)
 
 
 def test_resume_file_is_checked_against_the_pin_and_pretrained_is_skipped(tmp_path, logger, caplog):
@@ -327,20 +314,20 @@ def test_resume_file_is_checked_against_the_pin_and_pretrained_is_skipped(tmp_pa
     assert "not loaded" in caplog.text and digest in caplog.text
     with pytest.raises(UserError) as excinfo:
         load_pretrained(net, config_for("--resume", str(path), "--checkpoint_sha256", "0" * 16), logger)
-    one_line(excinfo, str(path), digest)
+    one_line_user_error(excinfo, str(path), digest)
 
 
 def test_resume_from_a_pth_is_refused(torchvision_pth, logger):
     _, path = torchvision_pth
     with pytest.raises(UserError) as excinfo:
         load_pretrained(build_resnet("resnet18", 10), config_for("--resume", str(path)), logger)
-    one_line(excinfo, str(path), f"--pretrained {path}")
+    one_line_user_error(excinfo, str(path), f"--pretrained {path}")
 
 
 def test_pin_without_a_file_to_check_is_refused(logger):
     with pytest.raises(UserError) as excinfo:
         load_pretrained(build_resnet("resnet18", 10), config_for("--checkpoint_sha256", "0" * 64), logger)
-    one_line(excinfo, "checkpoint_sha256", "--pretrained")
+    one_line_user_error(excinfo, "checkpoint_sha256", "--pretrained")
 
 
 def test_nothing_to_do_without_pretrained(logger):

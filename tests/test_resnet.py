@@ -12,6 +12,7 @@ import torchvision
 from mindspore import nn
 from torchvision.models import resnet as tv_resnet
 
+from conftest import randomise_batchnorm
 from src import resnet
 from src.resnet import BasicBlock, Bottleneck, build_resnet, count_trainable_parameters
 
@@ -62,19 +63,6 @@ def copy_torch_into_ms(module: torch.nn.Module, cell: nn.Cell) -> None:
               for name, array in torch_to_ms_arrays(module).items()}
     not_loaded, unused = ms.load_param_into_net(cell, params, strict_load=True)
     assert not not_loaded and not unused, (not_loaded, unused)
-
-
-def randomise_bn(module: torch.nn.Module, seed: int) -> None:
-    """Gives every torch BatchNorm non-trivial affine parameters and running statistics."""
-    rng = np.random.default_rng(seed)
-    with torch.no_grad():
-        for sub in module.modules():
-            if isinstance(sub, torch.nn.BatchNorm2d):
-                c = sub.num_features
-                sub.weight.copy_(torch.from_numpy(rng.uniform(0.5, 1.5, c).astype(np.float32)))
-                sub.bias.copy_(torch.from_numpy(rng.normal(0.0, 0.2, c).astype(np.float32)))
-                sub.running_mean.copy_(torch.from_numpy(rng.normal(0.0, 0.2, c).astype(np.float32)))
-                sub.running_var.copy_(torch.from_numpy(rng.uniform(0.5, 2.0, c).astype(np.float32)))
 
 
 def assert_close(actual: np.ndarray, expected: np.ndarray, what: str,
@@ -296,7 +284,7 @@ def fixture_blocks(request):
     torch.manual_seed(0)
     ms_block, tv_block = _block_pair(kind, inplanes, planes, stride)
     assert (tv_block.downsample is None) == (request.param == "basic_stride1")
-    randomise_bn(tv_block, seed=3)
+    randomise_batchnorm(tv_block, np.random.default_rng(3), batches_tracked=False)
     copy_torch_into_ms(tv_block, ms_block)
     x = np.random.default_rng(4).standard_normal((4, inplanes, 16, 16)).astype(np.float32)
     return ms_block, tv_block, x
@@ -358,7 +346,7 @@ def test_whole_network_eval_parity(name):
     """torchvision weights loaded by name give torchvision's eval logits at 64x64."""
     torch.manual_seed(0)
     tv_net = getattr(torchvision.models, name)(num_classes=NUM_CLASSES)
-    randomise_bn(tv_net, seed=6)
+    randomise_batchnorm(tv_net, np.random.default_rng(6), batches_tracked=False)
     tv_net.eval()
     ms_net = build_resnet(name, num_classes=NUM_CLASSES)
     copy_torch_into_ms(tv_net, ms_net)

@@ -39,6 +39,7 @@ from mindspore.nn.utils import no_init_parameters
 torch = pytest.importorskip("torch")
 torchvision = pytest.importorskip("torchvision")
 
+from conftest import randomise_batchnorm
 from src.resnet import build_resnet
 from src.torch_convert import convert_pth_to_ckpt, mindspore_to_torch_name
 
@@ -73,19 +74,6 @@ def rel_diff(actual: np.ndarray, expected: np.ndarray) -> float:
     actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
     assert actual.shape == expected.shape, (actual.shape, expected.shape)
     return float(np.abs(actual - expected).max() / max(float(np.abs(expected).max()), 1e-30))
-
-
-def randomise_batchnorm(module: "torch.nn.Module", rng: np.random.Generator) -> None:
-    """Non-trivial BatchNorm affine parameters and running statistics, so every converted field matters."""
-    with torch.no_grad():
-        for sub in module.modules():
-            if isinstance(sub, torch.nn.BatchNorm2d):
-                c = sub.num_features
-                sub.weight.copy_(torch.from_numpy(rng.uniform(0.5, 1.5, c).astype(np.float32)))
-                sub.bias.copy_(torch.from_numpy(rng.normal(0.0, 0.2, c).astype(np.float32)))
-                sub.running_mean.copy_(torch.from_numpy(rng.normal(0.0, 0.2, c).astype(np.float32)))
-                sub.running_var.copy_(torch.from_numpy(rng.uniform(0.5, 2.0, c).astype(np.float32)))
-                sub.num_batches_tracked.fill_(int(rng.integers(0, 1000)))
 
 
 def unit_names(tv_net: "torch.nn.Module") -> List[str]:
