@@ -11,7 +11,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 
@@ -87,16 +87,6 @@ def _run_worker(args: List[str], threads: int, what: str):
     return json.loads(process.stdout.strip().splitlines()[-1])
 
 
-def mindspore_cpu_setting(conv_implementation: str) -> Tuple[str, str]:
-    """Resolves conv_implementation on CPU and applies its oneDNN setting, as train.py does: (implementation,
-    ONEDNN_MAX_CPU_ISA in force)."""
-    from src.onednn_conv import resolve_conv_implementation
-    from src.utils import apply_cpu_speed_setting
-
-    implementation, _ = resolve_conv_implementation(conv_implementation, "CPU")
-    return implementation, apply_cpu_speed_setting(conv_implementation=implementation)
-
-
 def mindspore_step(mode: str, model_name: str, image_size: int, batch_size: int, total_steps: int,
                    conv_implementation: str = "mindspore") -> Callable[[], None]:
     """One training step (TrainOneStepCell with Adam, as train.py builds it) or one inference forward."""
@@ -158,7 +148,8 @@ def measure_here(framework: str, mode: str, model_name: str, image_size: int, ba
         torch.set_num_threads(threads)
         run_step = torch_step(mode, model_name, image_size, batch_size)
     else:
-        implementation, isa = mindspore_cpu_setting(conv_implementation)
+        from src.utils import choose_convolutions  # as train.py's init_env does
+        implementation, isa = choose_convolutions(conv_implementation, "CPU")
         run_step = mindspore_step(mode, model_name, image_size, batch_size, warmup + repeats * steps, implementation)
     timings = _time_steps(run_step, warmup, repeats, steps)
     return Measurement(framework, mode, image_size, batch_size, threads, timings, conv_implementation=implementation,
@@ -183,7 +174,9 @@ def measure_gemm_here(backend: str, n: int, threads: int, warmup: int, repeats: 
     if backend == "mindspore":
         import mindspore as ms
         from mindspore import ops
-        _, isa = mindspore_cpu_setting(conv_implementation)
+        from src.utils import choose_convolutions
+
+        _, isa = choose_convolutions(conv_implementation, "CPU")
         a, b = ms.Tensor(a), ms.Tensor(b)
         product = lambda: ops.matmul(a, b).asnumpy()  # noqa: E731 (asnumpy waits for PyNative's async launch)
     elif backend == "torch":

@@ -7,7 +7,7 @@ import random
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Tuple
 
 import numpy as np
 import mindspore as ms
@@ -54,6 +54,15 @@ def apply_cpu_speed_setting(logger: Optional[logging.Logger] = None, conv_implem
         origin = "set by the user" if user_value is not None else "project default"
         logger.info("%s=%s (%s), convolutions: %s", ONEDNN_ISA_VARIABLE, value, origin, conv_implementation)
     return value
+
+
+def choose_convolutions(requested: str, device_target: str, logger: Optional[logging.Logger] = None) -> Tuple[str, str]:
+    """Resolves conv_implementation for the device and applies the oneDNN setting it needs, before the first
+    convolution: (implementation, ONEDNN_MAX_CPU_ISA in force)."""
+    implementation, reason = resolve_conv_implementation(requested, device_target)
+    if logger and implementation != requested:
+        logger.info("conv_implementation %s: using %s (%s)", requested, implementation, reason)
+    return implementation, apply_cpu_speed_setting(logger, implementation)
 
 
 @contextlib.contextmanager
@@ -128,10 +137,7 @@ def init_env(config, logger: logging.Logger) -> RunEnv:
     """Sets up device, convolution kernels, the CPU speed setting, mode, seeds and, under a launcher,
     data-parallel training."""
     device = select_device(config.device_target, logger)
-    conv_implementation, reason = resolve_conv_implementation(config.conv_implementation, device)
-    if conv_implementation != config.conv_implementation:
-        logger.info("conv_implementation %s: using %s (%s)", config.conv_implementation, conv_implementation, reason)
-    apply_cpu_speed_setting(logger, conv_implementation)
+    conv_implementation, _ = choose_convolutions(config.conv_implementation, device, logger)
     set_seeds(config.seed)
     ms.set_context(mode=ms.GRAPH_MODE if config.context_mode == "graph" else ms.PYNATIVE_MODE)
     if not launched_distributed():
