@@ -2,7 +2,8 @@
 with MindSpore's achieved FLOP rate as a share of the machine's fp32 matrix-product (GEMM) rate.
 
 python benchmark.py [--sizes 32,224] [--modes train,eval] [--batch_size 32] [--repeats 3] [--rounds 1]
-                    [--gemm_size 3072] [--conv_implementation auto|onednn_blocked|mindspore] [--output FILE]
+                    [--gemm_size 3072] [--conv_implementation auto|onednn_blocked|mindspore]
+                    [--inference_network fused|resnet] [--output FILE]
 
 Each (framework, mode, input size) runs in its own process: warmup steps (compilation included) are not
 timed, then --repeats timings of --steps steps; the table reports the median, pooled over --rounds rounds that
@@ -93,6 +94,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="n of the n x n GEMM (3072: 58 GFLOP, about 0.3-0.8 s a product on 2 cores)")
     parser.add_argument("--conv_implementation", choices=CHOICES["conv_implementation"], default="auto",
                         help="MindSpore's convolutions, as the config key (auto: onednn_blocked when built)")
+    parser.add_argument("--inference_network", choices=("fused", "resnet"), default="fused",
+                        help="MindSpore's inference: the fused network evaluation runs (one oneDNN call a layer, "
+                             "when the convolutions are onednn_blocked) or the ResNet cell itself")
     parser.add_argument("--output", default="benchmark.json")
     parser.add_argument("--worker", choices=WORKERS, help=argparse.SUPPRESS)
     return parser.parse_args(argv)
@@ -108,7 +112,8 @@ def run_worker(args: argparse.Namespace) -> object:
         return asdict(measure_gemm_here(args.worker[len("gemm-"):], args.gemm_size, args.threads, args.warmup,
                                         args.repeats, args.conv_implementation))
     return asdict(measure_here(args.worker, args.modes[0], args.model_name, args.sizes[0], args.batch_size,
-                               args.threads, args.warmup, args.repeats, args.steps or 1, args.conv_implementation))
+                               args.threads, args.warmup, args.repeats, args.steps or 1, args.conv_implementation,
+                               args.inference_network))
 
 
 def main() -> int:
@@ -151,7 +156,7 @@ def main() -> int:
                           file=sys.stderr, flush=True)
                     measurement = measure_in_subprocess(framework, mode, args.model_name, size, args.batch_size,
                                                         args.threads, args.warmup, args.repeats, steps,
-                                                        args.conv_implementation)
+                                                        args.conv_implementation, args.inference_network)
                     key = (framework, mode, size)
                     if key in measurements:
                         measurement = replace(measurement, seconds_per_step=measurements[key].seconds_per_step +
@@ -166,6 +171,9 @@ def main() -> int:
     if ran:  # what the MindSpore workers resolved (the same in each)
         environment["mindspore_convolutions"] = ", ".join(sorted(r[0] for r in ran))
         environment["ONEDNN_MAX_CPU_ISA"] = ", ".join(sorted(r[1] for r in ran))
+    inference = {m.inference_network for m in measurements if m.framework == "mindspore" and m.mode == "eval"}
+    if inference:
+        environment["mindspore_inference"] = ", ".join(sorted(inference))
     if torch_version:
         environment["torch"] = torch_version
     print(" ".join(f"{k}={v}" for k, v in environment.items()))

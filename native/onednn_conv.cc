@@ -7,6 +7,11 @@
 // Each exported function has MindSpore's aot signature and handles one (stride, padding) pair, named
 // in the function (Custom aot ops here take no attributes). Dilation 1, groups 1, float32, no bias.
 // The library links MindSpore's own libdnnl.so.3, so it shares MindSpore's oneDNN and its ISA setting.
+//
+// Inference (ConvInference*, MaxPoolNhwc*): activations are NHWC tensors from layer to layer, the layout
+// oneDNN's brgemm kernels prefer for inference, so no reorders run between layers. BatchNorm comes folded
+// into the weights and bias (src/fused_inference.py), ReLU and the residual addition run as oneDNN
+// post-ops, and each layer's weights are reordered into the kernel's layout once per weights version.
 #include <algorithm>
 #include <atomic>
 #include <condition_variable>
@@ -21,6 +26,7 @@
 #include <sched.h>
 #include <thread>
 #include <tuple>
+#include <unordered_map>
 #include <vector>
 
 #include "oneapi/dnnl/dnnl.hpp"
@@ -111,13 +117,34 @@ class ThreadPool : public dnnl::threadpool_interop::threadpool_iface {
 };
 thread_local bool ThreadPool::in_parallel_ = false;
 
+// Threads for the pool, set from Python before the first call (onednn_conv_set_threads): MindSpore sets
+// OMP_NUM_THREADS=1 in the process environment when it loads, so the user's value can't be read here.
+std::atomic<int> requested_threads{0};
+
 int ThreadCount() {
-  const char *requested = std::getenv("OMP_NUM_THREADS");
-  if (requested != nullptr && std::atoi(requested) > 0) return std::atoi(requested);
+  if (requested_threads.load() > 0) return requested_threads.load();
   cpu_set_t cpus;
   if (sched_getaffinity(0, sizeof(cpus), &cpus) == 0) return CPU_COUNT(&cpus);
   return static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
 }
+
+// What all calls share: one runs at a time, on one thread pool and stream.
+struct Executor {
+  static Executor &Get() {
+    static Executor executor;
+    return executor;
+  }
+  std::mutex mutex;
+  ThreadPool pool;
+  dnnl::engine engine;
+  dnnl::stream stream;
+
+ private:
+  Executor()
+      : pool(ThreadCount()),
+        engine(dnnl::engine::kind::cpu, 0),
+        stream(dnnl::threadpool_interop::make_stream(engine, &pool)) {}
+};
 
 // A grow-only 64-byte-aligned buffer, kept between calls: fresh allocations of large tensors would page
 // fault on every step.
@@ -161,9 +188,9 @@ class Runtime {
   // Plain-layout pointers in, plain-layout result out: first/second are the two inputs of the direction
   // (forward: src, weights; backward data: diff_dst, weights; backward weights: diff_dst, src).
   void Run(Direction direction, const Shape &shape, void *first, void *second, void *result) {
-    std::lock_guard<std::mutex> lock(mutex_);  // one call at a time: the pool and buffers are shared
+    std::lock_guard<std::mutex> lock(executor_.mutex);  // one call at a time: the pool and buffers are shared
     // Thread-local in oneDNN, and it sizes each primitive's work split; MindSpore's threads may have it at 1.
-    dnnl_threadpool_interop_set_max_concurrency(pool_.get_num_threads());
+    dnnl_threadpool_interop_set_max_concurrency(executor_.pool.get_num_threads());
     const Plan &plan = GetPlan(direction, shape);
     memory::desc first_plain, second_plain, result_plain;
     PlainDescs(direction, shape, &first_plain, &second_plain, &result_plain);
@@ -186,9 +213,7 @@ class Runtime {
 
  private:
   Runtime()
-      : pool_(ThreadCount()),
-        engine_(dnnl::engine::kind::cpu, 0),
-        stream_(dnnl::threadpool_interop::make_stream(engine_, &pool_)) {}
+      : executor_(Executor::Get()), engine_(executor_.engine), stream_(executor_.stream) {}
 
   static void PlainDescs(Direction direction, const Shape &shape, memory::desc *first, memory::desc *second,
                          memory::desc *result) {
@@ -246,12 +271,149 @@ class Runtime {
     return plans_.emplace(key, plan).first->second;
   }
 
-  std::mutex mutex_;
-  ThreadPool pool_;
-  dnnl::engine engine_;
-  dnnl::stream stream_;
+  Executor &executor_;
+  dnnl::engine &engine_;
+  dnnl::stream &stream_;
   Buffer buffers_[4];
   std::map<std::tuple<int, memory::dims, memory::dims, memory::dims, memory::dims, memory::dims>, Plan> plans_;
+};
+
+
+enum class PostOp { kNone, kRelu, kAddRelu };
+
+struct InferenceShape {
+  memory::dims src, weights, dst, strides, padding;  // logical NCHW / OIHW dims
+  PostOp post;
+};
+
+// One layer's weights in the kernel's layout, as packed from `source` at `version`.
+struct PackedWeights {
+  int64_t version = -1;
+  const void *source = nullptr;
+  std::unique_ptr<Buffer> buffer = std::make_unique<Buffer>();
+};
+
+// What identifies a layer's weights: Python numbers every layer (unique in the process) and every update
+// of its weights, and passes both as an int64 tensor, so packed weights are never reused for other values.
+struct WeightsKey {
+  int64_t layer, version;
+};
+
+// Packed weights kept at most: past this the caches are emptied and refilled (fused networks that are
+// gone leave theirs behind). ResNet-152's weights are 240 MB.
+constexpr size_t kPackedWeightsLimit = size_t(1) << 30;
+
+struct InferencePlan {
+  dnnl::primitive primitive;
+  memory::desc src_desc, weights_desc, bias_desc, dst_desc, scratchpad_desc;
+  std::map<int64_t, PackedWeights> packed;  // by layer
+};
+
+class InferenceRuntime {
+ public:
+  static InferenceRuntime &Get() {
+    static InferenceRuntime runtime;
+    return runtime;
+  }
+
+  // src, residual and dst NHWC; weights plain OIHW, reordered into the kernel's layout when the layer's
+  // weights changed (key) since they were last packed for this shape.
+  void Convolution(const InferenceShape &shape, void *src, void *weights, WeightsKey key, void *bias,
+                   void *residual, void *dst) {
+    std::lock_guard<std::mutex> lock(executor_.mutex);
+    dnnl_threadpool_interop_set_max_concurrency(executor_.pool.get_num_threads());
+    InferencePlan &plan = GetPlan(shape);
+    memory plain_weights(memory::desc(shape.weights, memory::data_type::f32, tag::oihw), engine_, weights);
+    memory kernel_weights = plain_weights;
+    if (plan.weights_desc != plain_weights.get_desc()) {
+      if (plan.packed.count(key.layer) == 0 && packed_bytes_ + plan.weights_desc.get_size() > kPackedWeightsLimit) {
+        for (auto &entry : plans_) entry.second.packed.clear();
+        packed_bytes_ = 0;
+      }
+      auto inserted = plan.packed.try_emplace(key.layer);
+      if (inserted.second) packed_bytes_ += plan.weights_desc.get_size();
+      PackedWeights &packed = inserted.first->second;
+      kernel_weights = memory(plan.weights_desc, engine_, packed.buffer->Get(plan.weights_desc.get_size()));
+      if (packed.version != key.version || packed.source != weights) {
+        dnnl::reorder(plain_weights, kernel_weights).execute(stream_, plain_weights, kernel_weights);
+        packed.version = key.version;
+        packed.source = weights;
+      }
+    }
+    std::unordered_map<int, memory> args = {
+        {DNNL_ARG_SRC, memory(plan.src_desc, engine_, src)},
+        {DNNL_ARG_WEIGHTS, kernel_weights},
+        {DNNL_ARG_BIAS, memory(plan.bias_desc, engine_, bias)},
+        {DNNL_ARG_DST, memory(plan.dst_desc, engine_, dst)},
+        {DNNL_ARG_SCRATCHPAD,
+         memory(plan.scratchpad_desc, engine_, scratchpad_.Get(plan.scratchpad_desc.get_size()))}};
+    if (shape.post == PostOp::kAddRelu) {
+      args.emplace(DNNL_ARG_ATTR_MULTIPLE_POST_OP(0) | DNNL_ARG_SRC_1, memory(plan.dst_desc, engine_, residual));
+    }
+    plan.primitive.execute(stream_, args);
+    stream_.wait();
+  }
+
+  // Max pooling of NHWC tensors; padded positions never win (as in torch's MaxPool2d).
+  void MaxPool(const memory::dims &src_dims, const memory::dims &dst_dims, int kernel, int stride, int padding,
+               void *src, void *dst) {
+    std::lock_guard<std::mutex> lock(executor_.mutex);
+    dnnl_threadpool_interop_set_max_concurrency(executor_.pool.get_num_threads());
+    memory::desc src_desc(src_dims, memory::data_type::f32, tag::nhwc);
+    memory::desc dst_desc(dst_dims, memory::data_type::f32, tag::nhwc);
+    auto key = std::make_tuple(src_dims, dst_dims, kernel, stride, padding);
+    auto found = pools_.find(key);
+    if (found == pools_.end()) {
+      memory::dims padding_r;  // the right/bottom padding that gives exactly dst_dims, as torch computes it
+      for (int i = 2; i < 4; ++i) padding_r.push_back((dst_dims[i] - 1) * stride + kernel - src_dims[i] - padding);
+      dnnl::primitive_attr attr;
+      attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
+      auto pd = dnnl::pooling_forward::primitive_desc(
+          engine_, dnnl::prop_kind::forward_inference, dnnl::algorithm::pooling_max, src_desc, dst_desc,
+          {stride, stride}, {kernel, kernel}, {0, 0}, {padding, padding}, padding_r, attr);
+      found = pools_.emplace(key, std::make_pair(dnnl::pooling_forward(pd), pd.scratchpad_desc())).first;
+    }
+    memory scratchpad(found->second.second, engine_, scratchpad_.Get(found->second.second.get_size()));
+    found->second.first.execute(stream_, {{DNNL_ARG_SRC, memory(src_desc, engine_, src)},
+                                          {DNNL_ARG_DST, memory(dst_desc, engine_, dst)},
+                                          {DNNL_ARG_SCRATCHPAD, scratchpad}});
+    stream_.wait();
+  }
+
+ private:
+  InferenceRuntime()
+      : executor_(Executor::Get()), engine_(executor_.engine), stream_(executor_.stream) {}
+
+  InferencePlan &GetPlan(const InferenceShape &shape) {
+    auto key = std::make_tuple(shape.src, shape.weights, shape.dst, shape.strides, shape.padding,
+                               static_cast<int>(shape.post));
+    auto found = plans_.find(key);
+    if (found != plans_.end()) return found->second;
+    memory::desc src(shape.src, memory::data_type::f32, tag::nhwc);
+    memory::desc weights(shape.weights, memory::data_type::f32, tag::any);
+    memory::desc bias({shape.weights[0]}, memory::data_type::f32, tag::a);
+    memory::desc dst(shape.dst, memory::data_type::f32, tag::nhwc);
+    dnnl::post_ops post_ops;
+    if (shape.post == PostOp::kAddRelu) post_ops.append_binary(dnnl::algorithm::binary_add, dst);
+    if (shape.post != PostOp::kNone) post_ops.append_eltwise(dnnl::algorithm::eltwise_relu, 0.f, 0.f);
+    dnnl::primitive_attr attr;
+    attr.set_post_ops(post_ops);
+    attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
+    auto pd = dnnl::convolution_forward::primitive_desc(engine_, dnnl::prop_kind::forward_inference,
+                                                        dnnl::algorithm::convolution_direct, src, weights, bias, dst,
+                                                        shape.strides, shape.padding, shape.padding, attr);
+    InferencePlan plan{dnnl::convolution_forward(pd), src, pd.weights_desc(), bias, dst, pd.scratchpad_desc(), {}};
+    return plans_.emplace(key, std::move(plan)).first->second;
+  }
+
+  Executor &executor_;
+  dnnl::engine &engine_;
+  dnnl::stream &stream_;
+  Buffer scratchpad_;
+  size_t packed_bytes_ = 0;
+  std::map<std::tuple<memory::dims, memory::dims, memory::dims, memory::dims, memory::dims, int>, InferencePlan> plans_;
+  std::map<std::tuple<memory::dims, memory::dims, int, int, int>, std::pair<dnnl::pooling_forward, memory::desc>>
+      pools_;
 };
 
 memory::dims Dims(int64_t *shape) { return memory::dims(shape, shape + 4); }
@@ -295,6 +457,71 @@ int Launch(Direction direction, int stride, int padding, int nparam, void **para
   return 0;
 }
 
+
+// MindSpore's NHWC shape (N, H, W, C) as oneDNN's logical dims (N, C, H, W).
+memory::dims NhwcDims(int64_t *shape) { return {shape[0], shape[3], shape[1], shape[2]}; }
+
+bool CheckTensors(const char *what, int nparam, int expected, int *ndims, const char **dtypes, const int *wanted_ndims,
+                  const char *const *wanted_dtypes) {
+  if (nparam != expected) {
+    std::fprintf(stderr, "%s: expected %d tensors (inputs and output), got %d\n", what, expected, nparam);
+    return false;
+  }
+  for (int i = 0; i < nparam; ++i) {
+    if (ndims[i] != wanted_ndims[i] || std::strcmp(dtypes[i], wanted_dtypes[i]) != 0) {
+      std::fprintf(stderr, "%s: tensor %d must be %d-d %s, got %d-d %s\n", what, i, wanted_ndims[i], wanted_dtypes[i],
+                   ndims[i], dtypes[i]);
+      return false;
+    }
+  }
+  return true;
+}
+
+template <typename Call>
+int Guarded(const char *what, Call call) {
+  try {
+    call();
+  } catch (const dnnl::error &error) {
+    std::fprintf(stderr, "%s: oneDNN error %d: %s\n", what, static_cast<int>(error.status), error.what());
+    return 1;
+  } catch (const std::exception &error) {
+    std::fprintf(stderr, "%s: %s\n", what, error.what());
+    return 1;
+  }
+  return 0;
+}
+
+// params: x (NHWC), weights (OIHW), weights key (int64: layer, version), bias, [residual (NHWC),] output (NHWC).
+int LaunchInference(PostOp post, int stride, int padding, int nparam, void **params, int *ndims, int64_t **shapes,
+                    const char **dtypes) {
+  const bool add = post == PostOp::kAddRelu;
+  const int wanted_ndims[] = {4, 4, 1, 1, 4, 4};
+  const char *const wanted_dtypes[] = {"float32", "float32", "int64", "float32", "float32", "float32"};
+  if (!CheckTensors("onednn_conv inference", nparam, add ? 6 : 5, ndims, dtypes, wanted_ndims, wanted_dtypes)) return 1;
+  InferenceShape shape{NhwcDims(shapes[0]), Dims(shapes[1]), NhwcDims(shapes[nparam - 1]), {stride, stride},
+                       {padding, padding}, post};
+  if (shapes[2][0] != 2) {
+    std::fprintf(stderr, "onednn_conv inference: the weights key must hold 2 numbers (layer, version)\n");
+    return 1;
+  }
+  const int64_t *key = static_cast<const int64_t *>(params[2]);
+  return Guarded("onednn_conv inference", [&] {
+    InferenceRuntime::Get().Convolution(shape, params[0], params[1], {key[0], key[1]}, params[3], add ? params[4] : nullptr,
+                                        params[nparam - 1]);
+  });
+}
+
+int LaunchMaxPool(int kernel, int stride, int padding, int nparam, void **params, int *ndims, int64_t **shapes,
+                  const char **dtypes) {
+  const int wanted_ndims[] = {4, 4};
+  const char *const wanted_dtypes[] = {"float32", "float32"};
+  if (!CheckTensors("onednn_conv max pool", nparam, 2, ndims, dtypes, wanted_ndims, wanted_dtypes)) return 1;
+  return Guarded("onednn_conv max pool", [&] {
+    InferenceRuntime::Get().MaxPool(NhwcDims(shapes[0]), NhwcDims(shapes[1]), kernel, stride, padding, params[0],
+                                    params[1]);
+  });
+}
+
 }  // namespace
 
 #define ONEDNN_CONV_EXPORT(NAME, DIRECTION, STRIDE, PADDING)                                                    \
@@ -316,6 +543,41 @@ ONEDNN_CONV_EXPORT_ALL(2, 0)
 ONEDNN_CONV_EXPORT_ALL(2, 1)
 ONEDNN_CONV_EXPORT_ALL(2, 2)
 ONEDNN_CONV_EXPORT_ALL(2, 3)
+
+
+// Inference: post-ops (None, Relu, AddRelu: residual addition then ReLU) x (stride, padding).
+#define ONEDNN_INFERENCE_EXPORT(POST, STRIDE, PADDING)                                                         \
+  extern "C" int ConvInference##POST##_s##STRIDE##_p##PADDING(int nparam, void **params, int *ndims,           \
+                                                              int64_t **shapes, const char **dtypes, void *,   \
+                                                              void *) {                                        \
+    return LaunchInference(PostOp::k##POST, STRIDE, PADDING, nparam, params, ndims, shapes, dtypes);          \
+  }
+#define ONEDNN_INFERENCE_EXPORT_ALL(STRIDE, PADDING) \
+  ONEDNN_INFERENCE_EXPORT(None, STRIDE, PADDING)     \
+  ONEDNN_INFERENCE_EXPORT(Relu, STRIDE, PADDING)     \
+  ONEDNN_INFERENCE_EXPORT(AddRelu, STRIDE, PADDING)
+
+ONEDNN_INFERENCE_EXPORT_ALL(1, 0)
+ONEDNN_INFERENCE_EXPORT_ALL(1, 1)
+ONEDNN_INFERENCE_EXPORT_ALL(1, 2)
+ONEDNN_INFERENCE_EXPORT_ALL(1, 3)
+ONEDNN_INFERENCE_EXPORT_ALL(2, 0)
+ONEDNN_INFERENCE_EXPORT_ALL(2, 1)
+ONEDNN_INFERENCE_EXPORT_ALL(2, 2)
+ONEDNN_INFERENCE_EXPORT_ALL(2, 3)
+
+// ResNet's stem pool (kernel 3, stride 2, padding 1) on NHWC tensors.
+extern "C" int MaxPoolNhwc_k3_s2_p1(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
+                                    void *, void *) {
+  return LaunchMaxPool(3, 2, 1, nparam, params, ndims, shapes, dtypes);
+}
+
+// Sets the pool's thread count (before the first convolution; later calls change nothing). Returns the count
+// in use: the one set, or what the pool was built with.
+extern "C" int onednn_conv_set_threads(int threads) {
+  if (threads > 0) requested_threads.store(threads);
+  return ThreadCount();
+}
 
 // Lets Python check that the loaded library was built from the source it is next to.
 extern "C" const char *onednn_conv_source_digest() { return ONEDNN_CONV_SOURCE_DIGEST; }

@@ -34,6 +34,7 @@ class Measurement:
     flops_per_image: Optional[int] = None  # filled in by the parent process (see flops_per_image)
     conv_implementation: str = ""  # MindSpore's: the convolutions it ran (src/onednn_conv.py)
     onednn_max_cpu_isa: str = ""  # MindSpore's: the oneDNN instruction-set setting it ran under
+    inference_network: str = ""  # MindSpore's, eval: the cell that ran (fused: src/fused_inference.py, or resnet)
 
     @property
     def images_per_second(self) -> float:
@@ -88,8 +89,9 @@ def _run_worker(args: List[str], threads: int, what: str):
 
 
 def mindspore_step(mode: str, model_name: str, image_size: int, batch_size: int, total_steps: int,
-                   conv_implementation: str = "mindspore") -> Callable[[], None]:
-    """One training step (TrainOneStepCell with Adam, as train.py builds it) or one inference forward."""
+                   conv_implementation: str = "mindspore", inference_network: str = "fused") -> Callable[[], None]:
+    """One training step (TrainOneStepCell with Adam, as train.py builds it) or one inference forward: of the
+    network evaluation runs (inference_network "fused") or of the ResNet cell itself ("resnet")."""
     import mindspore as ms
     from src.lr_schedule import schedule_from_config
     from src.model_utils.config import load_config
@@ -104,8 +106,10 @@ def mindspore_step(mode: str, model_name: str, image_size: int, batch_size: int,
     images = ms.Tensor(rng.standard_normal((batch_size, 3, image_size, image_size), np.float32))
     labels = ms.Tensor(rng.integers(0, config.class_num, batch_size).astype(np.int32))
     if mode == "eval":
+        from src.fused_inference import inference_network as fused  # what evaluation and predict.py run
         net.set_train(False)
-        return lambda: net(images).asnumpy()
+        inference_net = fused(net) if inference_network == "fused" else net
+        return lambda: inference_net(images).asnumpy()
     learning_rates = schedule_from_config(config.replace(epoch_size=1, warmup_epochs=0), total_steps)
     optimizer = build_optimizer(config, net.trainable_params(), learning_rates)
     train_step = build_train_step(net, optimizer, config, "O0", None)
@@ -140,9 +144,10 @@ def torch_step(mode: str, model_name: str, image_size: int, batch_size: int) -> 
 
 
 def measure_here(framework: str, mode: str, model_name: str, image_size: int, batch_size: int, threads: int,
-                 warmup: int, repeats: int, steps: int, conv_implementation: str = "auto") -> Measurement:
+                 warmup: int, repeats: int, steps: int, conv_implementation: str = "auto",
+                 inference_network: str = "fused") -> Measurement:
     """Runs one measurement in this process; MindSpore's convolutions as conv_implementation resolves on CPU."""
-    implementation = isa = ""
+    implementation = isa = ran_network = ""
     if framework == "torch":
         import torch
         torch.set_num_threads(threads)
@@ -150,17 +155,24 @@ def measure_here(framework: str, mode: str, model_name: str, image_size: int, ba
     else:
         from src.utils import choose_convolutions  # as train.py's init_env does
         implementation, isa = choose_convolutions(conv_implementation, "CPU")
-        run_step = mindspore_step(mode, model_name, image_size, batch_size, warmup + repeats * steps, implementation)
+        run_step = mindspore_step(mode, model_name, image_size, batch_size, warmup + repeats * steps, implementation,
+                                  inference_network)
+        if mode == "eval":
+            from src.fused_inference import why_not_fusable
+            from src.resnet import build_resnet
+            fusable = why_not_fusable(build_resnet(model_name, 10, conv_implementation=implementation)) is None
+            ran_network = "fused" if inference_network == "fused" and fusable else "resnet"
     timings = _time_steps(run_step, warmup, repeats, steps)
     return Measurement(framework, mode, image_size, batch_size, threads, timings, conv_implementation=implementation,
-                       onednn_max_cpu_isa=isa)
+                       onednn_max_cpu_isa=isa, inference_network=ran_network)
 
 
 def measure_in_subprocess(framework: str, mode: str, model_name: str, image_size: int, batch_size: int, threads: int,
-                          warmup: int, repeats: int, steps: int, conv_implementation: str = "auto") -> Measurement:
+                          warmup: int, repeats: int, steps: int, conv_implementation: str = "auto",
+                          inference_network: str = "fused") -> Measurement:
     args = ["--worker", framework, "--modes", mode, "--model_name", model_name, "--sizes", str(image_size),
             "--batch_size", str(batch_size), "--warmup", str(warmup), "--repeats", str(repeats), "--steps", str(steps),
-            "--conv_implementation", conv_implementation]
+            "--conv_implementation", conv_implementation, "--inference_network", inference_network]
     return Measurement(**_run_worker(args, threads, f"{framework} {mode} {image_size}"))
 
 

@@ -108,6 +108,7 @@ def run_evaluation(config, env, logger: logging.Logger) -> Dict:
     from src.checkpoint import load_weights
     from src.data_source import prepare_data
     from src.dataset import class_names, create_dataset
+    from src.fused_inference import inference_network
     from src.plotting import plot_confusion_matrix
     from src.resnet import build_resnet
 
@@ -118,7 +119,7 @@ def run_evaluation(config, env, logger: logging.Logger) -> Dict:
                              env.group_size, env.rank_id, config.eval_num_samples, config.num_parallel_workers,
                              config.seed)
     logger.info("evaluating %s (%s) on %s", config.checkpoint_path, config.model_name, data.describe())
-    result = evaluate(net, dataset, config.class_num, env.group_size)
+    result = evaluate(inference_network(net), dataset, config.class_num, env.group_size)
     names = class_names(config.class_num)
     values = {
         "top1": result.top1, "top5": result.top5, "loss": result.loss, "num_samples": result.num_samples,

@@ -132,11 +132,12 @@ def network_classifier(checkpoint_path: str, model_name: str, class_num: int, im
     reads: this project's .ckpt, PyTorch .pth, models-zoo and mindcv checkpoints)."""
     import mindspore as ms
     from src.checkpoint import load_weights
+    from src.fused_inference import inference_network
     from src.resnet import build_resnet
     net = build_resnet(model_name, class_num, conv_implementation=conv_implementation)
     load_weights(net, checkpoint_path, model_name, logger, sha256=sha256)
-    net.set_train(False)
-    return Classifier(run=lambda batch: net(ms.Tensor(batch)).asnumpy(), image_size=tuple(image_size),
+    inference_net = inference_network(net)  # in inference mode; fused into one native call a layer when it can
+    return Classifier(run=lambda batch: inference_net(ms.Tensor(batch)).asnumpy(), image_size=tuple(image_size),
                       class_num=class_num, fixed_batch=None, description=f"{model_name} from {checkpoint_path}")
 
 

@@ -7,6 +7,7 @@ nn.Conv2d (same parameters, initialisation and checkpoints) whose forward and gr
 """
 import ctypes
 import functools
+import os
 from pathlib import Path
 from typing import Optional, Tuple
 
@@ -46,6 +47,26 @@ def native_library() -> Tuple[Optional[str], str]:
         return None, f"the installed native convolution library was built from another {SOURCE_PATH.name}: " \
                      f"run {BUILD_COMMAND}"
     return str(library), ""
+
+
+def native_thread_count() -> int:
+    """Threads the native convolutions should use: OMP_NUM_THREADS as the process was started with (os.environ
+    keeps that value; MindSpore sets the C-level variable to 1 when it loads), else the CPUs this process may
+    run on, shared among the msrun workers (MS_WORKER_NUM) of a single-machine CPU job."""
+    requested = os.environ.get("OMP_NUM_THREADS", "")
+    if requested.isdigit() and int(requested) > 0:
+        return int(requested)
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    workers = os.environ.get("MS_WORKER_NUM", "1") if os.environ.get("MS_ROLE") == "MS_WORKER" else "1"
+    return max(1, cpus // max(1, int(workers) if workers.isdigit() else 1))
+
+
+def set_native_threads(threads: int) -> int:
+    """Sizes the native library's thread pool (before its first convolution); returns the size in use."""
+    library, why_not = native_library()
+    if library is None:
+        raise RuntimeError(why_not)
+    return int(ctypes.CDLL(library).onednn_conv_set_threads(int(threads)))
 
 
 def resolve_conv_implementation(requested: str, device_target: str) -> Tuple[str, str]:
@@ -125,6 +146,7 @@ class BlockedConv2d(nn.Conv2d):
         supported = (self.group == 1 and tuple(dilation) == (1, 1) and stride[0] == stride[1]
                      and stride[0] in SUPPORTED_STRIDES and padding in SUPPORTED_PADDINGS)
         self.blocked_op = _forward_op(stride[0], padding) if supported else None
+        self.blocked_stride, self.blocked_padding = stride[0], padding  # what the native ops are told
 
     def construct(self, x):
         if self.blocked_op is None or x.dtype != ms.float32:

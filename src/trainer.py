@@ -19,6 +19,7 @@ from src.data_source import DataSource, prepare_data
 from src.dataset import create_dataset
 from src.errors import UserError
 from src.evaluation import EvalResult, average_batchnorm_statistics, evaluate
+from src.fused_inference import inference_network
 from src.lr_schedule import schedule_from_config
 from src.metrics_file import MetricsFile
 from src.plotting import plot_training_curves
@@ -194,6 +195,7 @@ class Trainer:
         self.net = build_resnet(config.model_name, config.class_num, config.zero_init_residual,
                                 env.conv_implementation)
         load_pretrained(self.net, config, logger)  # --pretrained weights; the --resume file's checkpoint_sha256
+        self.inference_net: Optional[nn.Cell] = None  # what evaluation runs: see _evaluate_if_due
         self.learning_rates = schedule_from_config(config, self.steps_per_epoch)
         self.optimizer = build_optimizer(config, self.net.trainable_params(), self.learning_rates)
         amp_level, loss_scale = resolve_amp(config, env.device_target, logger)
@@ -301,7 +303,9 @@ class Trainer:
         if epoch % self.config.eval_interval and epoch != self.config.epoch_size:
             return None
         started = time.perf_counter()
-        result = evaluate(self.net, self.eval_dataset, self.config.class_num, self.env.group_size)
+        # The fused inference network is built once and refreshed with the current weights each time.
+        self.inference_net = inference_network(self.net, self.inference_net)
+        result = evaluate(self.inference_net, self.eval_dataset, self.config.class_num, self.env.group_size)
         self.train_step.set_train(True)
         self.logger.info("epoch %d eval: top-1 %.4f top-5 %.4f loss %.4f on %d images (%.1f s)%s", epoch, result.top1,
                          result.top5, result.loss, result.num_samples, time.perf_counter() - started,

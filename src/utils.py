@@ -13,7 +13,7 @@ import numpy as np
 import mindspore as ms
 
 from src.errors import UserError, run_cli  # noqa: F401  (run_cli: the scripts' entry wrapper)
-from src.onednn_conv import resolve_conv_implementation
+from src.onednn_conv import native_thread_count, resolve_conv_implementation, set_native_threads
 
 # oneDNN picks slow reference kernels for MindSpore's 3x3/7x7 convolutions (plain NCHW tensors) on AVX-512
 # CPUs; capping it at AVX2 gives its im2col+GEMM kernels (about 80x on one conv, see README "Speed"). The
@@ -62,6 +62,10 @@ def choose_convolutions(requested: str, device_target: str, logger: Optional[log
     implementation, reason = resolve_conv_implementation(requested, device_target)
     if logger and implementation != requested:
         logger.info("conv_implementation %s: using %s (%s)", requested, implementation, reason)
+    if implementation == "onednn_blocked":
+        threads = set_native_threads(native_thread_count())
+        if logger:
+            logger.info("native convolutions: %d threads", threads)
     return implementation, apply_cpu_speed_setting(logger, implementation)
 
 

@@ -11,7 +11,7 @@ import pytest
 
 from conftest import assert_one_line_error, run_script
 from src.benchmark import (FLOP_CONVENTION, GemmMeasurement, Measurement, flops_per_image, forward_macs, gemm_rates,
-                           measure_gemm_here, table, to_json)
+                           measure_gemm_here, measure_in_subprocess, table, to_json)
 
 TORCH_USABLE = all(importlib.util.find_spec(name) for name in ("torch", "torchvision"))
 
@@ -118,7 +118,8 @@ def test_end_to_end_run_writes_flop_rates_and_gemm_rates(tmp_path):
     # The project's defaults, as train.py applies them: blocked-layout convolutions, oneDNN uncapped.
     ours = result["measurements"][0]
     assert (ours["conv_implementation"], ours["onednn_max_cpu_isa"]) == ("onednn_blocked", "all")
-    assert "mindspore_convolutions=onednn_blocked ONEDNN_MAX_CPU_ISA=all" in process.stdout
+    assert "mindspore_convolutions=onednn_blocked ONEDNN_MAX_CPU_ISA=all mindspore_inference=fused" in process.stdout
+    assert ours["inference_network"] == "fused"  # what evaluation runs
     isa = {g["onednn_max_cpu_isa"] for g in gemm["measurements"] if g["backend"] == "mindspore"}
     assert isa == {"all"}  # the MindSpore model workers' setting
     for m in result["measurements"]:
@@ -131,9 +132,19 @@ def test_end_to_end_run_writes_flop_rates_and_gemm_rates(tmp_path):
 
 @pytest.mark.parametrize("args, option", [(["--sizes", "abc"], "--sizes"), (["--sizes", "32,16"], "--sizes"),
                                           (["--batch_size", "0"], "--batch_size"), (["--modes", "fit"], "--modes"),
-                                          (["--gemm_size", "x"], "--gemm_size")])
+                                          (["--gemm_size", "x"], "--gemm_size"),
+                                          (["--inference_network", "onnx"], "--inference_network")])
 def test_bad_input_is_one_error_line(args, option):
     assert_one_line_error(run_script("benchmark.py", args, timeout=60), option)
+
+
+@pytest.mark.parametrize("requested, conv, ran", [("resnet", "onednn_blocked", "resnet"),
+                                                  ("fused", "mindspore", "resnet")])
+def test_inference_network_records_the_cell_that_ran(requested, conv, ran):
+    """--inference_network resnet times the ResNet cell itself; MindSpore's Conv2d can't be fused."""
+    measurement = measure_in_subprocess("mindspore", "eval", "resnet18", 32, 2, 2, warmup=1, repeats=1, steps=1,
+                                        conv_implementation=conv, inference_network=requested)
+    assert measurement.inference_network == ran and measurement.conv_implementation == conv
 
 
 def test_missing_output_folder_is_refused_before_measuring(tmp_path):

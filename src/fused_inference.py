@@ -1,0 +1,200 @@
+"""ResNet inference with one native oneDNN call per layer (CPU, when the blocked convolutions are in use).
+
+`inference_network(net)` rebuilds a trained ResNet for inference as a FusedResNet:
+- each BatchNorm is folded into the convolution before it (its running statistics, as inference uses them):
+  weights * gamma / sqrt(var + eps), bias beta - mean * gamma / sqrt(var + eps), computed in float64;
+- ReLU and the residual addition run inside the convolution as oneDNN post-ops;
+- activations stay NHWC from layer to layer, the layout oneDNN's inference kernels (brgemm) run on, so nothing
+  is reordered between layers; the input is transposed once and the global average pool reads NHWC;
+- each layer's weights are reordered into the kernel's layout once per update instead of at every call.
+It computes what the ResNet computes in inference mode, up to float rounding (tests/test_fused_inference.py).
+
+A FusedResNet is a snapshot of the ResNet's weights: `load_from(net)` refreshes it (the trainer does before each
+evaluation, which keeps its compiled graph). It is for inference only: train and save the ResNet.
+"""
+import functools
+import itertools
+from typing import List, Optional, Tuple
+
+import numpy as np
+import mindspore as ms
+from mindspore import nn, ops
+
+from src.onednn_conv import BlockedConv2d, native_library
+from src.resnet import BasicBlock, Bottleneck, ResNet
+
+# Layer numbers and weights versions: unique in the process, so the native cache of packed weights
+# (keyed by both) never serves one layer's or one update's weights for another.
+_layer_numbers = itertools.count(1)
+_weights_versions = itertools.count(1)
+
+POST_OPS = ("None", "Relu", "AddRelu")
+
+
+@functools.lru_cache(maxsize=None)
+def _convolution_op(post: str, stride: int, padding: int) -> ops.Custom:
+    library, why_not = native_library()
+    if library is None:
+        raise RuntimeError(why_not)
+
+    def output_shape(x_shape, w_shape, *other_shapes):  # NHWC in, NHWC out
+        return (x_shape[0], (x_shape[1] + 2 * padding - w_shape[2]) // stride + 1,
+                (x_shape[2] + 2 * padding - w_shape[3]) // stride + 1, w_shape[0])
+
+    def output_dtype(x_dtype, *other_dtypes):
+        return x_dtype
+
+    return ops.Custom(f"{library}:ConvInference{post}_s{stride}_p{padding}", output_shape, output_dtype,
+                      func_type="aot")
+
+
+@functools.lru_cache(maxsize=None)
+def _stem_pool_op() -> ops.Custom:
+    library, why_not = native_library()
+    if library is None:
+        raise RuntimeError(why_not)
+
+    def output_shape(x_shape):  # kernel 3, stride 2, padding 1, NHWC
+        return (x_shape[0], (x_shape[1] - 1) // 2 + 1, (x_shape[2] - 1) // 2 + 1, x_shape[3])
+
+    def output_dtype(x_dtype):
+        return x_dtype
+
+    return ops.Custom(f"{library}:MaxPoolNhwc_k3_s2_p1", output_shape, output_dtype, func_type="aot")
+
+
+def fold_batchnorm(conv: nn.Conv2d, bn: nn.BatchNorm2d) -> Tuple[np.ndarray, np.ndarray]:
+    """(weights, bias) of the one convolution that computes bn(conv(x)) with bn's running statistics."""
+    scale = bn.gamma.asnumpy().astype(np.float64) / np.sqrt(bn.moving_variance.asnumpy().astype(np.float64) + bn.eps)
+    bias = bn.beta.asnumpy().astype(np.float64) - bn.moving_mean.asnumpy().astype(np.float64) * scale
+    if conv.has_bias:
+        bias += conv.bias.asnumpy().astype(np.float64) * scale
+    weights = conv.weight.asnumpy().astype(np.float64) * scale[:, None, None, None]
+    return weights.astype(np.float32), bias.astype(np.float32)
+
+
+class FusedConv(nn.Cell):
+    """Convolution + folded BatchNorm + post-op (None, Relu, or AddRelu: residual addition, then ReLU), NHWC."""
+
+    def __init__(self, conv: BlockedConv2d, post: str) -> None:
+        super().__init__()
+        self.post = post
+        self.op = _convolution_op(post, conv.blocked_stride, conv.blocked_padding)
+        self.weight = ms.Parameter(ms.Tensor(np.zeros(conv.weight.shape, np.float32)), name="weight",
+                                   requires_grad=False)
+        self.bias = ms.Parameter(ms.Tensor(np.zeros(conv.weight.shape[0], np.float32)), name="bias",
+                                 requires_grad=False)
+        self.layer = next(_layer_numbers)
+        self.weights_key = ms.Parameter(ms.Tensor(np.array([self.layer, 0], np.int64)), name="weights_key",
+                                        requires_grad=False)
+
+    def load(self, conv: nn.Conv2d, bn: nn.BatchNorm2d, version: int) -> None:
+        weights, bias = fold_batchnorm(conv, bn)
+        self.weight.set_data(ms.Tensor(weights))
+        self.bias.set_data(ms.Tensor(bias))
+        self.weights_key.set_data(ms.Tensor(np.array([self.layer, version], np.int64)))
+
+    def construct(self, x):
+        return self.op(x, self.weight, self.weights_key, self.bias)
+
+
+class FusedConvAdd(FusedConv):
+    """The last convolution of a residual block: relu(bn(conv(x)) + residual)."""
+
+    def __init__(self, conv: BlockedConv2d) -> None:
+        super().__init__(conv, "AddRelu")
+
+    def construct(self, x, residual):
+        return self.op(x, self.weight, self.weights_key, self.bias, residual)
+
+
+def _block_pairs(block: nn.Cell) -> List[Tuple[nn.Conv2d, nn.BatchNorm2d]]:
+    """(conv, bn) pairs of a block's main branch, in order."""
+    if isinstance(block, Bottleneck):
+        return [(block.conv1, block.bn1), (block.conv2, block.bn2), (block.conv3, block.bn3)]
+    return [(block.conv1, block.bn1), (block.conv2, block.bn2)]
+
+
+class FusedBlock(nn.Cell):
+    """A residual block: ReLU convolutions, then the one that adds the shortcut (itself a convolution or x)."""
+
+    def __init__(self, block: nn.Cell) -> None:
+        super().__init__()
+        pairs = _block_pairs(block)
+        self.convs = nn.CellList([FusedConv(conv, "Relu") for conv, _ in pairs[:-1]])
+        self.last = FusedConvAdd(pairs[-1][0])
+        self.has_downsample = block.downsample is not None
+        self.downsample = FusedConv(block.downsample[0], "None") if self.has_downsample else None
+
+    def load(self, block: nn.Cell, version: int) -> None:
+        pairs = _block_pairs(block)
+        for fused, (conv, bn) in zip(list(self.convs) + [self.last], pairs):
+            fused.load(conv, bn, version)
+        if self.has_downsample:
+            self.downsample.load(block.downsample[0], block.downsample[1], version)
+
+    def construct(self, x):
+        identity = x
+        if self.has_downsample:
+            identity = self.downsample(x)
+        out = x
+        for conv in self.convs:
+            out = conv(out)
+        return self.last(out, identity)
+
+
+class FusedResNet(nn.Cell):
+    """A ResNet's inference: NCHW images in, logits out, as ResNet.construct in inference mode."""
+
+    def __init__(self, net: ResNet) -> None:
+        super().__init__()
+        self.conv1 = FusedConv(net.conv1, "Relu")
+        self.maxpool = _stem_pool_op()
+        self.layers = nn.SequentialCell([FusedBlock(block) for layer in (net.layer1, net.layer2, net.layer3, net.layer4)
+                                         for block in layer])
+        self.fc = nn.Dense(net.fc.in_channels, net.fc.out_channels)
+        self.load_from(net)
+        self.set_train(False)
+
+    def load_from(self, net: ResNet) -> None:
+        """Takes net's current weights and BatchNorm statistics (net must have this network's architecture)."""
+        version = next(_weights_versions)
+        self.conv1.load(net.conv1, net.bn1, version)
+        blocks = [block for layer in (net.layer1, net.layer2, net.layer3, net.layer4) for block in layer]
+        for fused, block in zip(self.layers, blocks):
+            fused.load(block, version)
+        self.fc.weight.set_data(net.fc.weight.value().copy())
+        self.fc.bias.set_data(net.fc.bias.value().copy())
+
+    def construct(self, x):
+        x = self.maxpool(self.conv1(ops.transpose(x, (0, 2, 3, 1))))
+        x = self.layers(x)
+        return self.fc(x.mean(axis=(1, 2)))
+
+
+def why_not_fusable(net: nn.Cell) -> Optional[str]:
+    """None when FusedResNet can run net's inference, else the reason."""
+    if not isinstance(net, ResNet):
+        return "not a ResNet"
+    convs = [cell for _, cell in net.cells_and_names() if isinstance(cell, nn.Conv2d)]
+    if not all(isinstance(conv, BlockedConv2d) and conv.blocked_op is not None for conv in convs):
+        return "its convolutions are not all the native blocked ones"
+    for _, cell in net.cells_and_names():
+        if isinstance(cell, (BasicBlock, Bottleneck)) and cell.downsample is not None and len(cell.downsample) != 2:
+            return "a downsample branch is not a convolution and a BatchNorm"
+    return None
+
+
+def inference_network(net: nn.Cell, reuse: Optional[nn.Cell] = None) -> nn.Cell:
+    """The cell to run net's inference with: a FusedResNet of it when fusable, else net in inference mode.
+
+    reuse: the result of an earlier call for the same net; a FusedResNet is then refreshed with net's current
+    weights instead of built again (its compiled graph is kept).
+    """
+    if why_not_fusable(net) is not None:
+        net.set_train(False)
+        return net
+    if isinstance(reuse, FusedResNet):
+        reuse.load_from(net)
+        return reuse
+    return FusedResNet(net)

@@ -1,0 +1,182 @@
+"""The fused inference network (src/fused_inference.py): the ResNet's inference-mode output from one native call
+per layer, refreshed when the weights change, and what oneDNN really runs for it."""
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import mindspore as ms
+from mindspore import nn
+
+from conftest import REPO
+from src.fused_inference import FusedResNet, fold_batchnorm, inference_network
+from src.onednn_conv import native_thread_count
+from src.resnet import build_resnet
+
+
+def randomise_statistics(net: nn.Cell, rng: np.random.Generator) -> None:
+    """BatchNorm parameters and running statistics far from their initial 1/0, so that folding them matters."""
+    for _, cell in net.cells_and_names():
+        if isinstance(cell, nn.BatchNorm2d):
+            c = cell.gamma.shape[0]
+            cell.gamma.set_data(ms.Tensor(rng.uniform(0.5, 1.5, c).astype(np.float32)))
+            cell.beta.set_data(ms.Tensor(rng.normal(0.0, 0.2, c).astype(np.float32)))
+            cell.moving_mean.set_data(ms.Tensor(rng.normal(0.0, 0.2, c).astype(np.float32)))
+            cell.moving_variance.set_data(ms.Tensor(rng.uniform(0.5, 2.0, c).astype(np.float32)))
+
+
+def reference_logits(net_blocked: nn.Cell, model_name: str, images: np.ndarray) -> np.ndarray:
+    """The same weights in a network with MindSpore's own Conv2d, in inference mode: the plain path."""
+    plain = build_resnet(model_name, net_blocked.num_classes, conv_implementation="mindspore")
+    ms.load_param_into_net(plain, {p.name: p for p in net_blocked.get_parameters()}, strict_load=True)
+    plain.set_train(False)
+    return plain(ms.Tensor(images)).asnumpy()
+
+
+def relative_error(actual: np.ndarray, expected: np.ndarray) -> float:
+    return float(np.abs(actual - expected).max() / np.abs(expected).max())
+
+
+@pytest.mark.parametrize("model_name, batch, size", [("resnet50", 4, 32), ("resnet18", 3, 40)])
+def test_fused_network_computes_the_resnet_inference(model_name, batch, size):
+    """Equal to the plain MindSpore network (nn.Conv2d, BatchNorm, ReLU, add) to float rounding; 40x40 gives
+    odd map sizes (20, 10, 5, 3) at the pool and the strided layers."""
+    rng = np.random.default_rng(0)
+    net = build_resnet(model_name, 10, conv_implementation="onednn_blocked")
+    randomise_statistics(net, rng)
+    images = rng.standard_normal((batch, 3, size, size)).astype(np.float32)
+    fused = inference_network(net)
+    assert isinstance(fused, FusedResNet)
+    logits = fused(ms.Tensor(images)).asnumpy()
+    expected = reference_logits(net, model_name, images)
+    assert logits.shape == expected.shape
+    assert relative_error(logits, expected) < 1e-5
+    # A second batch size in the same network: another oneDNN plan, with its own packed weights.
+    one = fused(ms.Tensor(images[:1])).asnumpy()
+    assert relative_error(one, expected[:1]) < 1e-5
+
+
+def test_refresh_takes_the_new_weights_and_statistics():
+    """inference_network(net, reuse) refreshes the same FusedResNet; the native cache of packed weights must not
+    serve the old weights after it."""
+    rng = np.random.default_rng(1)
+    net = build_resnet("resnet18", 10, conv_implementation="onednn_blocked")
+    randomise_statistics(net, rng)
+    images = rng.standard_normal((2, 3, 32, 32)).astype(np.float32)
+    fused = inference_network(net)
+    before = fused(ms.Tensor(images)).asnumpy()
+    for param in net.get_parameters():
+        if param.name.endswith("conv2.weight") or param.name.endswith("moving_mean"):
+            param.set_data(ms.Tensor(param.asnumpy() * 1.5 + 0.01))
+    refreshed = inference_network(net, reuse=fused)
+    assert refreshed is fused
+    after = fused(ms.Tensor(images)).asnumpy()
+    assert relative_error(after, before) > 1e-3  # the change shows
+    assert relative_error(after, reference_logits(net, "resnet18", images)) < 1e-5
+
+
+def test_two_fused_networks_keep_their_own_weights():
+    """Same shapes, different weights, called alternately: each gives its own network's logits."""
+    rng = np.random.default_rng(2)
+    images = rng.standard_normal((2, 3, 32, 32)).astype(np.float32)
+    nets = [build_resnet("resnet18", 10, conv_implementation="onednn_blocked") for _ in range(2)]
+    for net in nets:
+        randomise_statistics(net, rng)
+    fused = [inference_network(net) for net in nets]
+    expected = [reference_logits(net, "resnet18", images) for net in nets]
+    assert relative_error(expected[0], expected[1]) > 1e-3
+    for _ in range(2):
+        for network, reference in zip(fused, expected):
+            assert relative_error(network(ms.Tensor(images)).asnumpy(), reference) < 1e-5
+
+
+def test_networks_that_cannot_be_fused_run_as_they_are():
+    net = build_resnet("resnet18", 10, conv_implementation="mindspore")
+    net.set_train(True)
+    assert inference_network(net) is net
+    assert not net.training  # but in inference mode
+
+
+def test_fold_batchnorm_is_the_convolution_followed_by_batchnorm():
+    rng = np.random.default_rng(3)
+    conv = nn.Conv2d(8, 16, 3, pad_mode="pad", padding=1, has_bias=True)
+    conv.bias.set_data(ms.Tensor(rng.normal(size=16).astype(np.float32)))
+    bn = nn.BatchNorm2d(16, eps=1e-3)
+    randomise_statistics(nn.SequentialCell([bn]), rng)
+    bn.set_train(False)
+    x = ms.Tensor(rng.standard_normal((2, 8, 6, 6)).astype(np.float32))
+    weights, bias = fold_batchnorm(conv, bn)
+    folded = nn.Conv2d(8, 16, 3, pad_mode="pad", padding=1, has_bias=True)
+    folded.weight.set_data(ms.Tensor(weights))
+    folded.bias.set_data(ms.Tensor(bias))
+    assert relative_error(folded(x).asnumpy(), bn(conv(x)).asnumpy()) < 1e-5
+
+
+VERBOSE_SCRIPT = """
+import numpy as np, mindspore as ms, sys
+from src.utils import choose_convolutions
+choose_convolutions("onednn_blocked", "CPU")
+from src.resnet import build_resnet
+from src.fused_inference import inference_network
+ms.set_context(mode=ms.GRAPH_MODE)
+fused = inference_network(build_resnet("resnet50", 10, conv_implementation="onednn_blocked"))
+images = ms.Tensor(np.ones((2, 3, 32, 32), np.float32))
+fused(images).asnumpy()
+print("SECOND PASS", flush=True)
+fused(images).asnumpy()
+"""
+
+
+def test_oneDNN_log_one_call_per_layer_and_no_reorders_after_the_first_pass():
+    """oneDNN's own log: 53 convolutions with BatchNorm folded (bias), ReLU and the 16 residual additions as
+    post-ops, on NHWC, none through GEMM or reference kernels; the second pass reorders nothing at all."""
+    env = {key: value for key, value in os.environ.items() if key != "ONEDNN_MAX_CPU_ISA"}
+    env["ONEDNN_VERBOSE"] = "1"
+    process = subprocess.run([sys.executable, "-c", VERBOSE_SCRIPT], cwd=REPO, env=env, capture_output=True,
+                             text=True, timeout=300)
+    assert process.returncode == 0, process.stderr[-3000:]
+    second = process.stdout.split("SECOND PASS", 1)[1]
+    executed = [line.split(",") for line in second.splitlines()
+                if line.startswith("onednn_verbose") and ",exec," in line]
+    kinds = [fields[5] for fields in executed]
+    assert kinds.count("convolution") == 53 and kinds.count("pooling") == 1
+    assert "reorder" not in kinds
+    assert "eltwise" not in kinds and "binary" not in kinds and "batch_normalization" not in kinds
+    convolutions = [fields for fields in executed if fields[5] == "convolution"]
+    for fields in convolutions:
+        line = ",".join(fields)
+        assert fields[7] == "forward_inference", line
+        assert "gemm" not in fields[6] and "ref" not in fields[6], line
+        assert "src:f32::blocked:acdb" in line and "dst:f32::blocked:acdb" in line, line  # NHWC
+        assert "bia:f32" in line, line
+    assert sum("binary_add" in ",".join(fields) for fields in convolutions) == 16
+    assert sum("eltwise_relu" in ",".join(fields) for fields in convolutions) == 49
+
+
+def test_native_thread_count_follows_the_user_setting(monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert native_thread_count() == 3
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    cpus = len(os.sched_getaffinity(0))
+    assert native_thread_count() == cpus
+    monkeypatch.setenv("MS_ROLE", "MS_WORKER")
+    monkeypatch.setenv("MS_WORKER_NUM", "2")
+    assert native_thread_count() == max(1, cpus // 2)
+
+
+THREADS_SCRIPT = """
+import mindspore  # sets the process's C-level OMP_NUM_THREADS to 1 when it loads
+from src.onednn_conv import native_thread_count, set_native_threads
+print(set_native_threads(native_thread_count()))
+"""
+
+
+@pytest.mark.parametrize("threads", ["1", "2"])
+def test_the_native_pool_gets_the_users_thread_count_although_mindspore_overwrites_it(threads):
+    env = dict(os.environ, OMP_NUM_THREADS=threads)
+    process = subprocess.run([sys.executable, "-c", THREADS_SCRIPT], cwd=REPO, env=env, capture_output=True,
+                             text=True, timeout=120)
+    assert process.returncode == 0, process.stderr[-2000:]
+    assert process.stdout.split()[-1] == threads
