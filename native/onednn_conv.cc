@@ -128,12 +128,24 @@ int ThreadCount() {
   return static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
 }
 
+// The pool's size once it exists (0 before): onednn_conv_set_threads can no longer change it then.
+std::atomic<int> pool_threads{0};
+
 // What all calls share: one runs at a time, on one thread pool and stream.
 struct Executor {
   static Executor &Get() {
     static Executor executor;
     return executor;
   }
+
+  // Held for the whole call: the pool, stream and buffers are shared. Also sets oneDNN's concurrency, which is
+  // thread-local and sizes each primitive's work split (MindSpore's threads may have it at 1).
+  std::unique_lock<std::mutex> Begin() {
+    std::unique_lock<std::mutex> lock(mutex);
+    dnnl_threadpool_interop_set_max_concurrency(pool.get_num_threads());
+    return lock;
+  }
+
   std::mutex mutex;
   ThreadPool pool;
   dnnl::engine engine;
@@ -143,7 +155,9 @@ struct Executor {
   Executor()
       : pool(ThreadCount()),
         engine(dnnl::engine::kind::cpu, 0),
-        stream(dnnl::threadpool_interop::make_stream(engine, &pool)) {}
+        stream(dnnl::threadpool_interop::make_stream(engine, &pool)) {
+    pool_threads.store(pool.get_num_threads());
+  }
 };
 
 // A grow-only 64-byte-aligned buffer, kept between calls: fresh allocations of large tensors would page
@@ -188,9 +202,7 @@ class Runtime {
   // Plain-layout pointers in, plain-layout result out: first/second are the two inputs of the direction
   // (forward: src, weights; backward data: diff_dst, weights; backward weights: diff_dst, src).
   void Run(Direction direction, const Shape &shape, void *first, void *second, void *result) {
-    std::lock_guard<std::mutex> lock(executor_.mutex);  // one call at a time: the pool and buffers are shared
-    // Thread-local in oneDNN, and it sizes each primitive's work split; MindSpore's threads may have it at 1.
-    dnnl_threadpool_interop_set_max_concurrency(executor_.pool.get_num_threads());
+    auto lock = executor_.Begin();
     const Plan &plan = GetPlan(direction, shape);
     memory::desc first_plain, second_plain, result_plain;
     PlainDescs(direction, shape, &first_plain, &second_plain, &result_plain);
@@ -278,7 +290,6 @@ class Runtime {
   std::map<std::tuple<int, memory::dims, memory::dims, memory::dims, memory::dims, memory::dims>, Plan> plans_;
 };
 
-
 enum class PostOp { kNone, kRelu, kAddRelu };
 
 struct InferenceShape {
@@ -320,8 +331,7 @@ class InferenceRuntime {
   // weights changed (key) since they were last packed for this shape.
   void Convolution(const InferenceShape &shape, void *src, void *weights, WeightsKey key, void *bias,
                    void *residual, void *dst) {
-    std::lock_guard<std::mutex> lock(executor_.mutex);
-    dnnl_threadpool_interop_set_max_concurrency(executor_.pool.get_num_threads());
+    auto lock = executor_.Begin();
     InferencePlan &plan = GetPlan(shape);
     memory plain_weights(memory::desc(shape.weights, memory::data_type::f32, tag::oihw), engine_, weights);
     memory kernel_weights = plain_weights;
@@ -357,8 +367,7 @@ class InferenceRuntime {
   // Max pooling of NHWC tensors; padded positions never win (as in torch's MaxPool2d).
   void MaxPool(const memory::dims &src_dims, const memory::dims &dst_dims, int kernel, int stride, int padding,
                void *src, void *dst) {
-    std::lock_guard<std::mutex> lock(executor_.mutex);
-    dnnl_threadpool_interop_set_max_concurrency(executor_.pool.get_num_threads());
+    auto lock = executor_.Begin();
     memory::desc src_desc(src_dims, memory::data_type::f32, tag::nhwc);
     memory::desc dst_desc(dst_dims, memory::data_type::f32, tag::nhwc);
     auto key = std::make_tuple(src_dims, dst_dims, kernel, stride, padding);
@@ -418,49 +427,6 @@ class InferenceRuntime {
 
 memory::dims Dims(int64_t *shape) { return memory::dims(shape, shape + 4); }
 
-// params: inputs then output, all plain NCHW/OIHW float32.
-int Launch(Direction direction, int stride, int padding, int nparam, void **params, int *ndims, int64_t **shapes,
-           const char **dtypes) {
-  const int expected = direction == Direction::kForward ? 3 : 4;
-  if (nparam != expected) {
-    std::fprintf(stderr, "onednn_conv: expected %d inputs and 1 output, got %d tensors\n", expected - 1, nparam);
-    return 1;
-  }
-  for (int i = 0; i < nparam; ++i) {
-    if (ndims[i] != 4 || std::strcmp(dtypes[i], "float32") != 0) {
-      std::fprintf(stderr, "onednn_conv: tensor %d must be 4-d float32, got %d-d %s\n", i, ndims[i], dtypes[i]);
-      return 1;
-    }
-  }
-  // Inputs: forward (x, w), backward data (dy, w, x: shape only), backward weights (dy, x, w: shape only);
-  // the last param is the output.
-  Shape shape;
-  shape.strides = {stride, stride};
-  shape.padding = {padding, padding};
-  void *first = params[0], *second = params[1];
-  if (direction == Direction::kForward) {
-    shape.src = Dims(shapes[0]), shape.weights = Dims(shapes[1]), shape.dst = Dims(shapes[2]);
-  } else if (direction == Direction::kBackwardData) {
-    shape.dst = Dims(shapes[0]), shape.weights = Dims(shapes[1]), shape.src = Dims(shapes[3]);
-  } else {
-    shape.dst = Dims(shapes[0]), shape.src = Dims(shapes[1]), shape.weights = Dims(shapes[3]);
-  }
-  try {
-    Runtime::Get().Run(direction, shape, first, second, params[nparam - 1]);
-  } catch (const dnnl::error &error) {
-    std::fprintf(stderr, "onednn_conv: oneDNN error %d: %s\n", static_cast<int>(error.status), error.what());
-    return 1;
-  } catch (const std::exception &error) {
-    std::fprintf(stderr, "onednn_conv: %s\n", error.what());
-    return 1;
-  }
-  return 0;
-}
-
-
-// MindSpore's NHWC shape (N, H, W, C) as oneDNN's logical dims (N, C, H, W).
-memory::dims NhwcDims(int64_t *shape) { return {shape[0], shape[3], shape[1], shape[2]}; }
-
 bool CheckTensors(const char *what, int nparam, int expected, int *ndims, const char **dtypes, const int *wanted_ndims,
                   const char *const *wanted_dtypes) {
   if (nparam != expected) {
@@ -490,6 +456,34 @@ int Guarded(const char *what, Call call) {
   }
   return 0;
 }
+
+// params: inputs then output, all plain NCHW/OIHW float32.
+int Launch(Direction direction, int stride, int padding, int nparam, void **params, int *ndims, int64_t **shapes,
+           const char **dtypes) {
+  const int wanted_ndims[] = {4, 4, 4, 4};
+  const char *const wanted_dtypes[] = {"float32", "float32", "float32", "float32"};
+  if (!CheckTensors("onednn_conv", nparam, direction == Direction::kForward ? 3 : 4, ndims, dtypes, wanted_ndims,
+                    wanted_dtypes)) {
+    return 1;
+  }
+  // Inputs: forward (x, w), backward data (dy, w, x: shape only), backward weights (dy, x, w: shape only);
+  // the last param is the output.
+  Shape shape;
+  shape.strides = {stride, stride};
+  shape.padding = {padding, padding};
+  void *first = params[0], *second = params[1];
+  if (direction == Direction::kForward) {
+    shape.src = Dims(shapes[0]), shape.weights = Dims(shapes[1]), shape.dst = Dims(shapes[2]);
+  } else if (direction == Direction::kBackwardData) {
+    shape.dst = Dims(shapes[0]), shape.weights = Dims(shapes[1]), shape.src = Dims(shapes[3]);
+  } else {
+    shape.dst = Dims(shapes[0]), shape.src = Dims(shapes[1]), shape.weights = Dims(shapes[3]);
+  }
+  return Guarded("onednn_conv", [&] { Runtime::Get().Run(direction, shape, first, second, params[nparam - 1]); });
+}
+
+// MindSpore's NHWC shape (N, H, W, C) as oneDNN's logical dims (N, C, H, W).
+memory::dims NhwcDims(int64_t *shape) { return {shape[0], shape[3], shape[1], shape[2]}; }
 
 // params: x (NHWC), weights (OIHW), weights key (int64: layer, version), bias, [residual (NHWC),] output (NHWC).
 int LaunchInference(PostOp post, int stride, int padding, int nparam, void **params, int *ndims, int64_t **shapes,
@@ -544,7 +538,6 @@ ONEDNN_CONV_EXPORT_ALL(2, 1)
 ONEDNN_CONV_EXPORT_ALL(2, 2)
 ONEDNN_CONV_EXPORT_ALL(2, 3)
 
-
 // Inference: post-ops (None, Relu, AddRelu: residual addition then ReLU) x (stride, padding).
 #define ONEDNN_INFERENCE_EXPORT(POST, STRIDE, PADDING)                                                         \
   extern "C" int ConvInference##POST##_s##STRIDE##_p##PADDING(int nparam, void **params, int *ndims,           \
@@ -575,6 +568,7 @@ extern "C" int MaxPoolNhwc_k3_s2_p1(int nparam, void **params, int *ndims, int64
 // Sets the pool's thread count (before the first convolution; later calls change nothing). Returns the count
 // in use: the one set, or what the pool was built with.
 extern "C" int onednn_conv_set_threads(int threads) {
+  if (pool_threads.load() > 0) return pool_threads.load();
   if (threads > 0) requested_threads.store(threads);
   return ThreadCount();
 }

@@ -11,7 +11,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -89,9 +89,11 @@ def _run_worker(args: List[str], threads: int, what: str):
 
 
 def mindspore_step(mode: str, model_name: str, image_size: int, batch_size: int, total_steps: int,
-                   conv_implementation: str = "mindspore", inference_network: str = "fused") -> Callable[[], None]:
+                   conv_implementation: str = "mindspore",
+                   inference_network: str = "fused") -> Tuple[Callable[[], None], str]:
     """One training step (TrainOneStepCell with Adam, as train.py builds it) or one inference forward: of the
-    network evaluation runs (inference_network "fused") or of the ResNet cell itself ("resnet")."""
+    network evaluation runs (inference_network "fused") or of the ResNet cell itself ("resnet"). Returns the step
+    and, for inference, which network runs ("fused" only when the network could be fused; "" for training)."""
     import mindspore as ms
     from src.lr_schedule import schedule_from_config
     from src.model_utils.config import load_config
@@ -106,14 +108,15 @@ def mindspore_step(mode: str, model_name: str, image_size: int, batch_size: int,
     images = ms.Tensor(rng.standard_normal((batch_size, 3, image_size, image_size), np.float32))
     labels = ms.Tensor(rng.integers(0, config.class_num, batch_size).astype(np.int32))
     if mode == "eval":
-        from src.fused_inference import inference_network as fused  # what evaluation and predict.py run
+        from src.fused_inference import FusedResNet, inference_network as evaluation_network
         net.set_train(False)
-        inference_net = fused(net) if inference_network == "fused" else net
-        return lambda: inference_net(images).asnumpy()
+        inference_net = evaluation_network(net) if inference_network == "fused" else net
+        ran = "fused" if isinstance(inference_net, FusedResNet) else "resnet"
+        return lambda: inference_net(images).asnumpy(), ran
     learning_rates = schedule_from_config(config.replace(epoch_size=1, warmup_epochs=0), total_steps)
     optimizer = build_optimizer(config, net.trainable_params(), learning_rates)
     train_step = build_train_step(net, optimizer, config, "O0", None)
-    return lambda: train_step(images, labels).asnumpy()
+    return lambda: train_step(images, labels).asnumpy(), ""
 
 
 def torch_step(mode: str, model_name: str, image_size: int, batch_size: int) -> Callable[[], None]:
@@ -155,13 +158,8 @@ def measure_here(framework: str, mode: str, model_name: str, image_size: int, ba
     else:
         from src.utils import choose_convolutions  # as train.py's init_env does
         implementation, isa = choose_convolutions(conv_implementation, "CPU")
-        run_step = mindspore_step(mode, model_name, image_size, batch_size, warmup + repeats * steps, implementation,
-                                  inference_network)
-        if mode == "eval":
-            from src.fused_inference import why_not_fusable
-            from src.resnet import build_resnet
-            fusable = why_not_fusable(build_resnet(model_name, 10, conv_implementation=implementation)) is None
-            ran_network = "fused" if inference_network == "fused" and fusable else "resnet"
+        run_step, ran_network = mindspore_step(mode, model_name, image_size, batch_size, warmup + repeats * steps,
+                                               implementation, inference_network)
     timings = _time_steps(run_step, warmup, repeats, steps)
     return Measurement(framework, mode, image_size, batch_size, threads, timings, conv_implementation=implementation,
                        onednn_max_cpu_isa=isa, inference_network=ran_network)

@@ -20,7 +20,7 @@ import numpy as np
 import mindspore as ms
 from mindspore import nn, ops
 
-from src.onednn_conv import BlockedConv2d, native_library
+from src.onednn_conv import BlockedConv2d, usable_library
 from src.resnet import BasicBlock, Bottleneck, ResNet
 
 # Layer numbers and weights versions: unique in the process, so the native cache of packed weights
@@ -28,14 +28,10 @@ from src.resnet import BasicBlock, Bottleneck, ResNet
 _layer_numbers = itertools.count(1)
 _weights_versions = itertools.count(1)
 
-POST_OPS = ("None", "Relu", "AddRelu")
-
 
 @functools.lru_cache(maxsize=None)
 def _convolution_op(post: str, stride: int, padding: int) -> ops.Custom:
-    library, why_not = native_library()
-    if library is None:
-        raise RuntimeError(why_not)
+    library = usable_library()
 
     def output_shape(x_shape, w_shape, *other_shapes):  # NHWC in, NHWC out
         return (x_shape[0], (x_shape[1] + 2 * padding - w_shape[2]) // stride + 1,
@@ -50,9 +46,7 @@ def _convolution_op(post: str, stride: int, padding: int) -> ops.Custom:
 
 @functools.lru_cache(maxsize=None)
 def _stem_pool_op() -> ops.Custom:
-    library, why_not = native_library()
-    if library is None:
-        raise RuntimeError(why_not)
+    library = usable_library()
 
     def output_shape(x_shape):  # kernel 3, stride 2, padding 1, NHWC
         return (x_shape[0], (x_shape[1] - 1) // 2 + 1, (x_shape[2] - 1) // 2 + 1, x_shape[3])

@@ -49,6 +49,15 @@ def native_library() -> Tuple[Optional[str], str]:
     return str(library), ""
 
 
+def usable_library() -> str:
+    """The built library's path; RuntimeError with the reason when it can't be used (callers resolved
+    conv_implementation first, so this is a programming error, not a user's)."""
+    library, why_not = native_library()
+    if library is None:
+        raise RuntimeError(why_not)
+    return library
+
+
 def native_thread_count() -> int:
     """Threads the native convolutions should use: OMP_NUM_THREADS as the process was started with (os.environ
     keeps that value; MindSpore sets the C-level variable to 1 when it loads), else the CPUs this process may
@@ -57,16 +66,13 @@ def native_thread_count() -> int:
     if requested.isdigit() and int(requested) > 0:
         return int(requested)
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    workers = os.environ.get("MS_WORKER_NUM", "1") if os.environ.get("MS_ROLE") == "MS_WORKER" else "1"
-    return max(1, cpus // max(1, int(workers) if workers.isdigit() else 1))
+    workers = os.environ.get("MS_WORKER_NUM", "") if os.environ.get("MS_ROLE") == "MS_WORKER" else ""
+    return max(1, cpus // int(workers)) if workers.isdigit() and int(workers) > 0 else cpus
 
 
 def set_native_threads(threads: int) -> int:
     """Sizes the native library's thread pool (before its first convolution); returns the size in use."""
-    library, why_not = native_library()
-    if library is None:
-        raise RuntimeError(why_not)
-    return int(ctypes.CDLL(library).onednn_conv_set_threads(int(threads)))
+    return int(ctypes.CDLL(usable_library()).onednn_conv_set_threads(int(threads)))
 
 
 def resolve_conv_implementation(requested: str, device_target: str) -> Tuple[str, str]:
@@ -99,9 +105,7 @@ def _output_dtype_is_last_input(first, second, last):
 @functools.lru_cache(maxsize=None)
 def _forward_op(stride: int, padding: int) -> ops.Custom:
     """The forward Custom op for one (stride, padding), with its gradient ops as bprop."""
-    library, why_not = native_library()
-    if library is None:
-        raise RuntimeError(why_not)
+    library = usable_library()
     suffix = f"_s{stride}_p{padding}"
     # The backward ops take a third input only for its shape (the result's), which aot ops can't be told.
     backward_data = ops.Custom(f"{library}:ConvBackwardData{suffix}", _output_shape_is_last_input,
