@@ -75,6 +75,13 @@ def flip_one_byte(data: bytes) -> bytes:
     return data[:middle] + bytes([data[middle] ^ 0xFF]) + data[middle + 1:]
 
 
+def rel_diff(actual: np.ndarray, expected: np.ndarray) -> float:
+    """max|actual - expected| / max|expected| (the relative measure of the parity and kernel tests)."""
+    actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
+    assert actual.shape == expected.shape, (actual.shape, expected.shape)
+    return float(np.abs(actual - expected).max() / max(float(np.abs(expected).max()), 1e-30))
+
+
 def randomise_batchnorm(module, rng, batches_tracked: bool = True) -> None:
     """Non-trivial affine parameters and running statistics for every torch BatchNorm2d in module (and a
     random num_batches_tracked), so that every converted field matters."""

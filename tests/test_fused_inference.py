@@ -10,7 +10,7 @@ import pytest
 import mindspore as ms
 from mindspore import nn
 
-from conftest import REPO
+from conftest import REPO, rel_diff
 from src.fused_inference import FusedResNet, fold_batchnorm, inference_network
 from src.onednn_conv import native_thread_count
 from src.resnet import build_resnet
@@ -35,10 +35,6 @@ def reference_logits(net_blocked: nn.Cell, model_name: str, images: np.ndarray) 
     return plain(ms.Tensor(images)).asnumpy()
 
 
-def relative_error(actual: np.ndarray, expected: np.ndarray) -> float:
-    return float(np.abs(actual - expected).max() / np.abs(expected).max())
-
-
 @pytest.mark.parametrize("model_name, batch, size", [("resnet50", 4, 32), ("resnet18", 3, 40)])
 def test_fused_network_computes_the_resnet_inference(model_name, batch, size):
     """Equal to the plain MindSpore network (nn.Conv2d, BatchNorm, ReLU, add) to float rounding; 40x40 gives
@@ -52,10 +48,10 @@ def test_fused_network_computes_the_resnet_inference(model_name, batch, size):
     logits = fused(ms.Tensor(images)).asnumpy()
     expected = reference_logits(net, model_name, images)
     assert logits.shape == expected.shape
-    assert relative_error(logits, expected) < 1e-5
+    assert rel_diff(logits, expected) < 1e-5
     # A second batch size in the same network: another oneDNN plan, with its own packed weights.
     one = fused(ms.Tensor(images[:1])).asnumpy()
-    assert relative_error(one, expected[:1]) < 1e-5
+    assert rel_diff(one, expected[:1]) < 1e-5
 
 
 def test_refresh_takes_the_new_weights_and_statistics():
@@ -73,8 +69,8 @@ def test_refresh_takes_the_new_weights_and_statistics():
     refreshed = inference_network(net, reuse=fused)
     assert refreshed is fused
     after = fused(ms.Tensor(images)).asnumpy()
-    assert relative_error(after, before) > 1e-3  # the change shows
-    assert relative_error(after, reference_logits(net, "resnet18", images)) < 1e-5
+    assert rel_diff(after, before) > 1e-3  # the change shows
+    assert rel_diff(after, reference_logits(net, "resnet18", images)) < 1e-5
 
 
 def test_two_fused_networks_keep_their_own_weights():
@@ -86,10 +82,10 @@ def test_two_fused_networks_keep_their_own_weights():
         randomise_statistics(net, rng)
     fused = [inference_network(net) for net in nets]
     expected = [reference_logits(net, "resnet18", images) for net in nets]
-    assert relative_error(expected[0], expected[1]) > 1e-3
+    assert rel_diff(expected[0], expected[1]) > 1e-3
     for _ in range(2):
         for network, reference in zip(fused, expected):
-            assert relative_error(network(ms.Tensor(images)).asnumpy(), reference) < 1e-5
+            assert rel_diff(network(ms.Tensor(images)).asnumpy(), reference) < 1e-5
 
 
 def test_networks_that_cannot_be_fused_run_as_they_are():
@@ -111,7 +107,7 @@ def test_fold_batchnorm_is_the_convolution_followed_by_batchnorm():
     folded = nn.Conv2d(8, 16, 3, pad_mode="pad", padding=1, has_bias=True)
     folded.weight.set_data(ms.Tensor(weights))
     folded.bias.set_data(ms.Tensor(bias))
-    assert relative_error(folded(x).asnumpy(), bn(conv(x)).asnumpy()) < 1e-5
+    assert rel_diff(folded(x).asnumpy(), bn(conv(x)).asnumpy()) < 1e-5
 
 
 VERBOSE_SCRIPT = """
@@ -180,3 +176,19 @@ def test_the_native_pool_gets_the_users_thread_count_although_mindspore_overwrit
                              text=True, timeout=120)
     assert process.returncode == 0, process.stderr[-2000:]
     assert process.stdout.split()[-1] == threads
+
+
+LATE_THREADS_SCRIPT = """
+import numpy as np, mindspore as ms
+from src.onednn_conv import BlockedConv2d, set_native_threads
+print(set_native_threads(1))
+BlockedConv2d(16, 16, 3, pad_mode="pad", padding=1)(ms.Tensor(np.ones((1, 16, 4, 4), np.float32))).asnumpy()
+print(set_native_threads(2))  # the pool exists now: its size is what counts
+"""
+
+
+def test_a_thread_count_set_after_the_pool_exists_reports_the_pools_size():
+    process = subprocess.run([sys.executable, "-c", LATE_THREADS_SCRIPT], cwd=REPO, env=dict(os.environ),
+                             capture_output=True, text=True, timeout=120)
+    assert process.returncode == 0, process.stderr[-2000:]
+    assert process.stdout.split()[-2:] == ["1", "1"]

@@ -12,7 +12,7 @@ import pytest
 import mindspore as ms
 from mindspore import nn
 
-from conftest import REPO, assert_one_line_error
+from conftest import REPO, assert_one_line_error, rel_diff
 from src.errors import UserError
 from src.onednn_conv import BlockedConv2d, resolve_conv_implementation
 
@@ -37,10 +37,6 @@ def forward_and_gradients(conv: nn.Cell, x: np.ndarray, upstream: np.ndarray):
     return conv(ms.Tensor(x)).asnumpy(), dx.asnumpy(), dw.asnumpy()
 
 
-def rel(actual: np.ndarray, expected: np.ndarray) -> float:
-    return float(np.abs(actual - expected).max() / np.abs(expected).max())
-
-
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[2]}x{c[2]}s{c[3]}p{c[4]}_{c[0]}to{c[1]}_h{c[5]}")
 @pytest.mark.parametrize("mode", [ms.GRAPH_MODE, ms.PYNATIVE_MODE], ids=["graph", "pynative"])
 def test_forward_and_gradients_equal_mindspore_conv2d(case, mode):
@@ -54,7 +50,7 @@ def test_forward_and_gradients_equal_mindspore_conv2d(case, mode):
     upstream = rng.standard_normal((4, co, out_h, out_h)).astype(np.float32)
     for expected, actual in zip(forward_and_gradients(plain, x, upstream), forward_and_gradients(blocked, x, upstream)):
         assert actual.shape == expected.shape
-        assert rel(actual, expected) < 1e-5  # float32 rounding of another summation order
+        assert rel_diff(actual, expected) < 1e-5  # float32 rounding of another summation order
 
 
 def test_unsupported_configurations_run_mindspore_conv2d():
@@ -78,7 +74,7 @@ def test_bias_is_added():
     plain.bias.set_data(blocked.bias.data)
     x = ms.Tensor(np.random.default_rng(2).standard_normal((2, 4, 5, 5)).astype(np.float32))
     assert blocked.blocked_op is not None
-    assert rel(blocked(x).asnumpy(), plain(x).asnumpy()) < 1e-5
+    assert rel_diff(blocked(x).asnumpy(), plain(x).asnumpy()) < 1e-5
 
 
 def test_resolution():

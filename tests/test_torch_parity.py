@@ -39,7 +39,7 @@ from mindspore.nn.utils import no_init_parameters
 torch = pytest.importorskip("torch")
 torchvision = pytest.importorskip("torchvision")
 
-from conftest import randomise_batchnorm
+from conftest import randomise_batchnorm, rel_diff
 from src.resnet import build_resnet
 from src.torch_convert import convert_pth_to_ckpt, mindspore_to_torch_name
 
@@ -68,13 +68,6 @@ MEASURED: Dict[str, Dict[str, float]] = {}  # depth -> numbers, printed at the e
 
 
 # ----------------------------------------------------------------------------------------------- helpers
-
-def rel_diff(actual: np.ndarray, expected: np.ndarray) -> float:
-    """max|actual - expected| / max|expected| (the issue's relative measure)."""
-    actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
-    assert actual.shape == expected.shape, (actual.shape, expected.shape)
-    return float(np.abs(actual - expected).max() / max(float(np.abs(expected).max()), 1e-30))
-
 
 def unit_names(tv_net: "torch.nn.Module") -> List[str]:
     """'stem', every residual block ('layer1.0', ...) and 'head', in forward order."""
