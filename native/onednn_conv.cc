@@ -8,10 +8,11 @@
 // in the function (Custom aot ops here take no attributes). Dilation 1, groups 1, float32, no bias.
 // The library links MindSpore's own libdnnl.so.3, so it shares MindSpore's oneDNN and its ISA setting.
 //
-// Inference (ConvInference*, MaxPoolNhwc*): activations are NHWC tensors from layer to layer, the layout
-// oneDNN's brgemm kernels prefer for inference, so no reorders run between layers. BatchNorm comes folded
-// into the weights and bias (src/fused_inference.py), ReLU and the residual addition run as oneDNN
-// post-ops, and each layer's weights are reordered into the kernel's layout once per weights version.
+// Inference (ConvInference*, MaxPool*): activations stay in one layout from layer to layer, so no reorders run
+// between layers: NHWC, where oneDNN runs its brgemm kernels (faster on large maps), or nChw16c (16-channel
+// blocks), where it runs its direct jit kernels (faster on small maps); the caller picks (src/fused_inference.py).
+// BatchNorm comes folded into the weights and bias, ReLU and the residual addition run as oneDNN post-ops,
+// and each layer's weights are reordered into the kernel's layout once per weights version.
 #include <algorithm>
 #include <atomic>
 #include <condition_variable>
@@ -292,9 +293,18 @@ class Runtime {
 
 enum class PostOp { kNone, kRelu, kAddRelu };
 
+// Memory layouts of inference activations, as Python numbers them. MindSpore sees an NHWC tensor as (N, H, W, C)
+// and the other two as (N, C, H, W); a blocked tensor (nChw16c) is that many floats in 16-channel blocks.
+enum class Layout : int64_t { kNhwc = 0, kNchw = 1, kBlocked16 = 2 };
+
+tag LayoutTag(Layout layout) {
+  return layout == Layout::kNhwc ? tag::nhwc : layout == Layout::kNchw ? tag::nchw : tag::aBcd16b;
+}
+
 struct InferenceShape {
   memory::dims src, weights, dst, strides, padding;  // logical NCHW / OIHW dims
   PostOp post;
+  Layout src_layout, dst_layout;  // the residual has dst's
 };
 
 // One layer's weights in the kernel's layout, as packed from `source` at `version`.
@@ -327,8 +337,8 @@ class InferenceRuntime {
     return runtime;
   }
 
-  // src, residual and dst NHWC; weights plain OIHW, reordered into the kernel's layout when the layer's
-  // weights changed (key) since they were last packed for this shape.
+  // src, residual and dst in the shape's layouts; weights plain OIHW, reordered into the kernel's layout when
+  // the layer's weights changed (key) since they were last packed for this shape.
   void Convolution(const InferenceShape &shape, void *src, void *weights, WeightsKey key, void *bias,
                    void *residual, void *dst) {
     auto lock = executor_.Begin();
@@ -364,13 +374,13 @@ class InferenceRuntime {
     stream_.wait();
   }
 
-  // Max pooling of NHWC tensors; padded positions never win (as in torch's MaxPool2d).
-  void MaxPool(const memory::dims &src_dims, const memory::dims &dst_dims, int kernel, int stride, int padding,
-               void *src, void *dst) {
+  // Max pooling, src and dst in one layout; padded positions never win (as in torch's MaxPool2d).
+  void MaxPool(const memory::dims &src_dims, const memory::dims &dst_dims, Layout layout, int kernel, int stride,
+               int padding, void *src, void *dst) {
     auto lock = executor_.Begin();
-    memory::desc src_desc(src_dims, memory::data_type::f32, tag::nhwc);
-    memory::desc dst_desc(dst_dims, memory::data_type::f32, tag::nhwc);
-    auto key = std::make_tuple(src_dims, dst_dims, kernel, stride, padding);
+    memory::desc src_desc(src_dims, memory::data_type::f32, LayoutTag(layout));
+    memory::desc dst_desc(dst_dims, memory::data_type::f32, LayoutTag(layout));
+    auto key = std::make_tuple(src_dims, dst_dims, static_cast<int>(layout), kernel, stride, padding);
     auto found = pools_.find(key);
     if (found == pools_.end()) {
       memory::dims padding_r;  // the right/bottom padding that gives exactly dst_dims, as torch computes it
@@ -395,13 +405,14 @@ class InferenceRuntime {
 
   InferencePlan &GetPlan(const InferenceShape &shape) {
     auto key = std::make_tuple(shape.src, shape.weights, shape.dst, shape.strides, shape.padding,
-                               static_cast<int>(shape.post));
+                               static_cast<int>(shape.post), static_cast<int>(shape.src_layout),
+                               static_cast<int>(shape.dst_layout));
     auto found = plans_.find(key);
     if (found != plans_.end()) return found->second;
-    memory::desc src(shape.src, memory::data_type::f32, tag::nhwc);
+    memory::desc src(shape.src, memory::data_type::f32, LayoutTag(shape.src_layout));
     memory::desc weights(shape.weights, memory::data_type::f32, tag::any);
     memory::desc bias({shape.weights[0]}, memory::data_type::f32, tag::a);
-    memory::desc dst(shape.dst, memory::data_type::f32, tag::nhwc);
+    memory::desc dst(shape.dst, memory::data_type::f32, LayoutTag(shape.dst_layout));
     dnnl::post_ops post_ops;
     if (shape.post == PostOp::kAddRelu) post_ops.append_binary(dnnl::algorithm::binary_add, dst);
     if (shape.post != PostOp::kNone) post_ops.append_eltwise(dnnl::algorithm::eltwise_relu, 0.f, 0.f);
@@ -420,8 +431,10 @@ class InferenceRuntime {
   dnnl::stream &stream_;
   Buffer scratchpad_;
   size_t packed_bytes_ = 0;
-  std::map<std::tuple<memory::dims, memory::dims, memory::dims, memory::dims, memory::dims, int>, InferencePlan> plans_;
-  std::map<std::tuple<memory::dims, memory::dims, int, int, int>, std::pair<dnnl::pooling_forward, memory::desc>>
+  std::map<std::tuple<memory::dims, memory::dims, memory::dims, memory::dims, memory::dims, int, int, int>,
+           InferencePlan>
+      plans_;
+  std::map<std::tuple<memory::dims, memory::dims, int, int, int, int>, std::pair<dnnl::pooling_forward, memory::desc>>
       pools_;
 };
 
@@ -482,37 +495,69 @@ int Launch(Direction direction, int stride, int padding, int nparam, void **para
   return Guarded("onednn_conv", [&] { Runtime::Get().Run(direction, shape, first, second, params[nparam - 1]); });
 }
 
-// MindSpore's NHWC shape (N, H, W, C) as oneDNN's logical dims (N, C, H, W).
-memory::dims NhwcDims(int64_t *shape) { return {shape[0], shape[3], shape[1], shape[2]}; }
+// A layout number from Python, checked; false (with a message) when it is none or when the tensor's channels
+// don't fill whole 16-channel blocks.
+bool ReadLayout(const char *what, int64_t number, int64_t *shape, Layout *layout) {
+  if (number < 0 || number > static_cast<int64_t>(Layout::kBlocked16)) {
+    std::fprintf(stderr, "%s: unknown layout %lld\n", what, static_cast<long long>(number));
+    return false;
+  }
+  *layout = static_cast<Layout>(number);
+  if (*layout == Layout::kBlocked16 && shape[1] % 16 != 0) {
+    std::fprintf(stderr, "%s: the blocked layout needs channels in multiples of 16, got %lld\n", what,
+                 static_cast<long long>(shape[1]));
+    return false;
+  }
+  return true;
+}
 
-// params: x (NHWC), weights (OIHW), weights key (int64: layer, version), bias, [residual (NHWC),] output (NHWC).
+// MindSpore's shape of a tensor in `layout` as oneDNN's logical dims (N, C, H, W).
+memory::dims LogicalDims(Layout layout, int64_t *shape) {
+  if (layout == Layout::kNhwc) return {shape[0], shape[3], shape[1], shape[2]};
+  return Dims(shape);
+}
+
+// params: x, weights (OIHW), weights key (int64: layer, version), layouts (int64: x's, output's), bias,
+// [residual (the output's layout),] output.
 int LaunchInference(PostOp post, int stride, int padding, int nparam, void **params, int *ndims, int64_t **shapes,
                     const char **dtypes) {
+  const char *what = "onednn_conv inference";
   const bool add = post == PostOp::kAddRelu;
-  const int wanted_ndims[] = {4, 4, 1, 1, 4, 4};
-  const char *const wanted_dtypes[] = {"float32", "float32", "int64", "float32", "float32", "float32"};
-  if (!CheckTensors("onednn_conv inference", nparam, add ? 6 : 5, ndims, dtypes, wanted_ndims, wanted_dtypes)) return 1;
-  InferenceShape shape{NhwcDims(shapes[0]), Dims(shapes[1]), NhwcDims(shapes[nparam - 1]), {stride, stride},
-                       {padding, padding}, post};
-  if (shapes[2][0] != 2) {
-    std::fprintf(stderr, "onednn_conv inference: the weights key must hold 2 numbers (layer, version)\n");
+  const int wanted_ndims[] = {4, 4, 1, 1, 1, 4, 4};
+  const char *const wanted_dtypes[] = {"float32", "float32", "int64", "int64", "float32", "float32", "float32"};
+  if (!CheckTensors(what, nparam, add ? 7 : 6, ndims, dtypes, wanted_ndims, wanted_dtypes)) return 1;
+  if (shapes[2][0] != 2 || shapes[3][0] != 2) {
+    std::fprintf(stderr, "%s: the weights key (layer, version) and the layouts (x, output) must hold 2 numbers each\n",
+                 what);
     return 1;
   }
   const int64_t *key = static_cast<const int64_t *>(params[2]);
-  return Guarded("onednn_conv inference", [&] {
-    InferenceRuntime::Get().Convolution(shape, params[0], params[1], {key[0], key[1]}, params[3], add ? params[4] : nullptr,
-                                        params[nparam - 1]);
+  const int64_t *layouts = static_cast<const int64_t *>(params[3]);
+  Layout src_layout, dst_layout;
+  if (!ReadLayout(what, layouts[0], shapes[0], &src_layout) ||
+      !ReadLayout(what, layouts[1], shapes[nparam - 1], &dst_layout)) {
+    return 1;
+  }
+  InferenceShape shape{LogicalDims(src_layout, shapes[0]), Dims(shapes[1]), LogicalDims(dst_layout, shapes[nparam - 1]),
+                       {stride, stride}, {padding, padding}, post, src_layout, dst_layout};
+  return Guarded(what, [&] {
+    InferenceRuntime::Get().Convolution(shape, params[0], params[1], {key[0], key[1]}, params[4],
+                                        add ? params[5] : nullptr, params[nparam - 1]);
   });
 }
 
+// params: x, layout (int64: x's and the output's), output.
 int LaunchMaxPool(int kernel, int stride, int padding, int nparam, void **params, int *ndims, int64_t **shapes,
                   const char **dtypes) {
-  const int wanted_ndims[] = {4, 4};
-  const char *const wanted_dtypes[] = {"float32", "float32"};
-  if (!CheckTensors("onednn_conv max pool", nparam, 2, ndims, dtypes, wanted_ndims, wanted_dtypes)) return 1;
-  return Guarded("onednn_conv max pool", [&] {
-    InferenceRuntime::Get().MaxPool(NhwcDims(shapes[0]), NhwcDims(shapes[1]), kernel, stride, padding, params[0],
-                                    params[1]);
+  const char *what = "onednn_conv max pool";
+  const int wanted_ndims[] = {4, 1, 4};
+  const char *const wanted_dtypes[] = {"float32", "int64", "float32"};
+  if (!CheckTensors(what, nparam, 3, ndims, dtypes, wanted_ndims, wanted_dtypes)) return 1;
+  Layout layout;
+  if (shapes[1][0] != 1 || !ReadLayout(what, *static_cast<const int64_t *>(params[1]), shapes[0], &layout)) return 1;
+  return Guarded(what, [&] {
+    InferenceRuntime::Get().MaxPool(LogicalDims(layout, shapes[0]), LogicalDims(layout, shapes[2]), layout, kernel,
+                                    stride, padding, params[0], params[2]);
   });
 }
 
@@ -559,8 +604,8 @@ ONEDNN_INFERENCE_EXPORT_ALL(2, 1)
 ONEDNN_INFERENCE_EXPORT_ALL(2, 2)
 ONEDNN_INFERENCE_EXPORT_ALL(2, 3)
 
-// ResNet's stem pool (kernel 3, stride 2, padding 1) on NHWC tensors.
-extern "C" int MaxPoolNhwc_k3_s2_p1(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
+// ResNet's stem pool (kernel 3, stride 2, padding 1).
+extern "C" int MaxPool_k3_s2_p1(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
                                     void *, void *) {
   return LaunchMaxPool(3, 2, 1, nparam, params, ndims, shapes, dtypes);
 }

@@ -4,8 +4,9 @@
 - each BatchNorm is folded into the convolution before it (its running statistics, as inference uses them):
   weights * gamma / sqrt(var + eps), bias beta - mean * gamma / sqrt(var + eps), computed in float64;
 - ReLU and the residual addition run inside the convolution as oneDNN post-ops;
-- activations stay NHWC from layer to layer, the layout oneDNN's inference kernels (brgemm) run on, so nothing
-  is reordered between layers; the input is transposed once and the global average pool reads NHWC;
+- activations stay in one layout from layer to layer, so nothing is reordered between layers: nChw16c (16-channel
+  blocks, oneDNN's direct jit kernels) for small inputs, NHWC (its brgemm kernels) for large ones, whichever ran
+  faster here (BLOCKED_MAX_PIXELS); the global average pool reads that layout;
 - each layer's weights are reordered into the kernel's layout once per update instead of at every call.
 It computes what the ResNet computes in inference mode, up to float rounding (tests/test_fused_inference.py).
 
@@ -23,19 +24,37 @@ from mindspore import nn, ops
 from src.onednn_conv import BlockedConv2d, usable_library
 from src.resnet import BasicBlock, Bottleneck, ResNet
 
+# Activation layouts, numbered as native/onednn_conv.cc's Layout. MindSpore sees NHWC tensors as (N, H, W, C),
+# NCHW and BLOCKED16 (nChw16c: the same floats in 16-channel blocks) as (N, C, H, W).
+NHWC, NCHW, BLOCKED16 = 0, 1, 2
+# Inputs of at most this many pixels run on BLOCKED16, larger ones on NHWC. ResNet-50, batch 32, 2 threads: the
+# convolutions took about 20 % less time on BLOCKED16 at 32x32 and 64x64, and 5-15 % more at 112x112 and 224x224.
+BLOCKED_MAX_PIXELS = 64 * 64
+
 # Layer numbers and weights versions: unique in the process, so the native cache of packed weights
 # (keyed by both) never serves one layer's or one update's weights for another.
 _layer_numbers = itertools.count(1)
 _weights_versions = itertools.count(1)
 
 
+def _image_dims(shape, layout: int) -> Tuple[int, int, int, int]:
+    """(N, C, H, W) of a MindSpore shape of a tensor in layout."""
+    return (shape[0], shape[3], shape[1], shape[2]) if layout == NHWC else tuple(shape)
+
+
+def _shape_in(layout: int, n: int, c: int, h: int, w: int) -> Tuple[int, int, int, int]:
+    return (n, h, w, c) if layout == NHWC else (n, c, h, w)
+
+
 @functools.lru_cache(maxsize=None)
-def _convolution_op(post: str, stride: int, padding: int) -> ops.Custom:
+def _convolution_op(post: str, stride: int, padding: int, src_layout: int, dst_layout: int) -> ops.Custom:
+    """The native convolution; its inputs include the layouts (as a tensor), which this op's shapes assume."""
     library = usable_library()
 
-    def output_shape(x_shape, w_shape, *other_shapes):  # NHWC in, NHWC out
-        return (x_shape[0], (x_shape[1] + 2 * padding - w_shape[2]) // stride + 1,
-                (x_shape[2] + 2 * padding - w_shape[3]) // stride + 1, w_shape[0])
+    def output_shape(x_shape, w_shape, *other_shapes):
+        n, _, h, w = _image_dims(x_shape, src_layout)
+        return _shape_in(dst_layout, n, w_shape[0], (h + 2 * padding - w_shape[2]) // stride + 1,
+                         (w + 2 * padding - w_shape[3]) // stride + 1)
 
     def output_dtype(x_dtype, *other_dtypes):
         return x_dtype
@@ -45,16 +64,21 @@ def _convolution_op(post: str, stride: int, padding: int) -> ops.Custom:
 
 
 @functools.lru_cache(maxsize=None)
-def _stem_pool_op() -> ops.Custom:
+def _stem_pool_op(layout: int) -> ops.Custom:
     library = usable_library()
 
-    def output_shape(x_shape):  # kernel 3, stride 2, padding 1, NHWC
-        return (x_shape[0], (x_shape[1] - 1) // 2 + 1, (x_shape[2] - 1) // 2 + 1, x_shape[3])
+    def output_shape(x_shape, layout_shape):  # kernel 3, stride 2, padding 1
+        n, c, h, w = _image_dims(x_shape, layout)
+        return _shape_in(layout, n, c, (h - 1) // 2 + 1, (w - 1) // 2 + 1)
 
-    def output_dtype(x_dtype):
+    def output_dtype(x_dtype, layout_dtype):
         return x_dtype
 
-    return ops.Custom(f"{library}:MaxPoolNhwc_k3_s2_p1", output_shape, output_dtype, func_type="aot")
+    return ops.Custom(f"{library}:MaxPool_k3_s2_p1", output_shape, output_dtype, func_type="aot")
+
+
+def _layouts(*layouts: int) -> ms.Tensor:
+    return ms.Tensor(np.array(layouts, np.int64))
 
 
 def fold_batchnorm(conv: nn.Conv2d, bn: nn.BatchNorm2d) -> Tuple[np.ndarray, np.ndarray]:
@@ -68,12 +92,18 @@ def fold_batchnorm(conv: nn.Conv2d, bn: nn.BatchNorm2d) -> Tuple[np.ndarray, np.
 
 
 class FusedConv(nn.Cell):
-    """Convolution + folded BatchNorm + post-op (None, Relu, or AddRelu: residual addition, then ReLU), NHWC."""
+    """Convolution + folded BatchNorm + post-op (None, Relu, or AddRelu: residual addition, then ReLU).
 
-    def __init__(self, conv: BlockedConv2d, post: str) -> None:
+    construct(x, blocked): NHWC in and out, or with blocked True BLOCKED16 out from BLOCKED16 in (blocked_input:
+    the layout its input has then; the stem's is the NCHW images)."""
+
+    def __init__(self, conv: BlockedConv2d, post: str, blocked_input: int = BLOCKED16) -> None:
         super().__init__()
         self.post = post
-        self.op = _convolution_op(post, conv.blocked_stride, conv.blocked_padding)
+        self.nhwc_op = _convolution_op(post, conv.blocked_stride, conv.blocked_padding, NHWC, NHWC)
+        self.nhwc_layouts = _layouts(NHWC, NHWC)
+        self.blocked_op = _convolution_op(post, conv.blocked_stride, conv.blocked_padding, blocked_input, BLOCKED16)
+        self.blocked_layouts = _layouts(blocked_input, BLOCKED16)
         self.weight = ms.Parameter(ms.Tensor(np.zeros(conv.weight.shape, np.float32)), name="weight",
                                    requires_grad=False)
         self.bias = ms.Parameter(ms.Tensor(np.zeros(conv.weight.shape[0], np.float32)), name="bias",
@@ -88,18 +118,22 @@ class FusedConv(nn.Cell):
         self.bias.set_data(ms.Tensor(bias))
         self.weights_key.set_data(ms.Tensor(np.array([self.layer, version], np.int64)))
 
-    def construct(self, x):
-        return self.op(x, self.weight, self.weights_key, self.bias)
+    def construct(self, x, blocked):
+        if blocked:
+            return self.blocked_op(x, self.weight, self.weights_key, self.blocked_layouts, self.bias)
+        return self.nhwc_op(x, self.weight, self.weights_key, self.nhwc_layouts, self.bias)
 
 
 class FusedConvAdd(FusedConv):
-    """The last convolution of a residual block: relu(bn(conv(x)) + residual)."""
+    """The last convolution of a residual block: relu(bn(conv(x)) + residual), residual in the output's layout."""
 
     def __init__(self, conv: BlockedConv2d) -> None:
         super().__init__(conv, "AddRelu")
 
-    def construct(self, x, residual):
-        return self.op(x, self.weight, self.weights_key, self.bias, residual)
+    def construct(self, x, residual, blocked):
+        if blocked:
+            return self.blocked_op(x, self.weight, self.weights_key, self.blocked_layouts, self.bias, residual)
+        return self.nhwc_op(x, self.weight, self.weights_key, self.nhwc_layouts, self.bias, residual)
 
 
 def _block_pairs(block: nn.Cell) -> List[Tuple[nn.Conv2d, nn.BatchNorm2d]]:
@@ -127,14 +161,28 @@ class FusedBlock(nn.Cell):
         if self.has_downsample:
             self.downsample.load(block.downsample[0], block.downsample[1], version)
 
-    def construct(self, x):
+    def construct(self, x, blocked):
         identity = x
         if self.has_downsample:
-            identity = self.downsample(x)
+            identity = self.downsample(x, blocked)
         out = x
         for conv in self.convs:
-            out = conv(out)
-        return self.last(out, identity)
+            out = conv(out, blocked)
+        return self.last(out, identity, blocked)
+
+
+class StemPool(nn.Cell):
+    """ResNet's stem max pool (kernel 3, stride 2, padding 1) on NHWC, or with blocked True on BLOCKED16."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.nhwc_op, self.nhwc_layout = _stem_pool_op(NHWC), _layouts(NHWC)
+        self.blocked_op, self.blocked_layout = _stem_pool_op(BLOCKED16), _layouts(BLOCKED16)
+
+    def construct(self, x, blocked):
+        if blocked:
+            return self.blocked_op(x, self.blocked_layout)
+        return self.nhwc_op(x, self.nhwc_layout)
 
 
 class FusedResNet(nn.Cell):
@@ -142,10 +190,13 @@ class FusedResNet(nn.Cell):
 
     def __init__(self, net: ResNet) -> None:
         super().__init__()
-        self.conv1 = FusedConv(net.conv1, "Relu")
-        self.maxpool = _stem_pool_op()
-        self.layers = nn.SequentialCell([FusedBlock(block) for layer in (net.layer1, net.layer2, net.layer3, net.layer4)
-                                         for block in layer])
+        self.conv1 = FusedConv(net.conv1, "Relu", blocked_input=NCHW)
+        self.maxpool = StemPool()
+        self.layers = nn.CellList([FusedBlock(block) for layer in (net.layer1, net.layer2, net.layer3, net.layer4)
+                                   for block in layer])
+        # BLOCKED16 needs whole 16-channel blocks after every layer (true of torchvision's ResNets).
+        self.blocked_usable = all(cell.out_channels % 16 == 0 for _, cell in net.cells_and_names()
+                                  if isinstance(cell, nn.Conv2d))
         self.fc = nn.Dense(net.fc.in_channels, net.fc.out_channels)
         self.load_from(net)
         self.set_train(False)
@@ -161,8 +212,16 @@ class FusedResNet(nn.Cell):
         self.fc.bias.set_data(net.fc.bias.value().copy())
 
     def construct(self, x):
-        x = self.maxpool(self.conv1(ops.transpose(x, (0, 2, 3, 1))))
-        x = self.layers(x)
+        n, _, h, w = x.shape
+        blocked = self.blocked_usable and h * w <= BLOCKED_MAX_PIXELS  # a constant: the graph keeps one path
+        if not blocked:
+            x = ops.transpose(x, (0, 2, 3, 1))
+        x = self.maxpool(self.conv1(x, blocked), blocked)
+        for block in self.layers:
+            x = block(x, blocked)
+        if blocked:  # (N, C, H, W) holding N, C/16, H, W, 16
+            _, c, h, w = x.shape
+            return self.fc(x.reshape(n, c // 16, h, w, 16).mean(axis=(2, 3)).reshape(n, c))
         return self.fc(x.mean(axis=(1, 2)))
 
 

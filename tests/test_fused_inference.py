@@ -11,7 +11,7 @@ import mindspore as ms
 from mindspore import nn
 
 from conftest import REPO, rel_diff
-from src.fused_inference import FusedResNet, fold_batchnorm, inference_network
+from src.fused_inference import BLOCKED_MAX_PIXELS, FusedResNet, fold_batchnorm, inference_network
 from src.onednn_conv import native_thread_count
 from src.resnet import build_resnet
 
@@ -35,10 +35,11 @@ def reference_logits(net_blocked: nn.Cell, model_name: str, images: np.ndarray) 
     return plain(ms.Tensor(images)).asnumpy()
 
 
-@pytest.mark.parametrize("model_name, batch, size", [("resnet50", 4, 32), ("resnet18", 3, 40)])
+@pytest.mark.parametrize("model_name, batch, size", [("resnet50", 4, 32), ("resnet18", 3, 40), ("resnet18", 2, 72)])
 def test_fused_network_computes_the_resnet_inference(model_name, batch, size):
-    """Equal to the plain MindSpore network (nn.Conv2d, BatchNorm, ReLU, add) to float rounding; 40x40 gives
-    odd map sizes (20, 10, 5, 3) at the pool and the strided layers."""
+    """Equal to the plain MindSpore network (nn.Conv2d, BatchNorm, ReLU, add) to float rounding, on the blocked
+    layout (32, 40) and on NHWC (72); 40 and 72 give odd map sizes (20, 10, 5, 3; 9, 5, 3) at the pool and the
+    strided layers."""
     rng = np.random.default_rng(0)
     net = build_resnet(model_name, 10, conv_implementation="onednn_blocked")
     randomise_statistics(net, rng)
@@ -118,38 +119,48 @@ choose_convolutions("onednn_blocked", "CPU")
 from src.resnet import build_resnet
 from src.fused_inference import inference_network
 ms.set_context(mode=ms.GRAPH_MODE)
-fused = inference_network(build_resnet("resnet50", 10, conv_implementation="onednn_blocked"))
-images = ms.Tensor(np.ones((2, 3, 32, 32), np.float32))
+fused = inference_network(build_resnet(sys.argv[1], 10, conv_implementation="onednn_blocked"))
+images = ms.Tensor(np.ones((2, 3, int(sys.argv[2]), int(sys.argv[2])), np.float32))
 fused(images).asnumpy()
 print("SECOND PASS", flush=True)
 fused(images).asnumpy()
 """
+NCHW, BLOCKED, NHWC = "abcd", "aBcd16b", "acdb"  # oneDNN's names
 
 
-def test_oneDNN_log_one_call_per_layer_and_no_reorders_after_the_first_pass():
-    """oneDNN's own log: 53 convolutions with BatchNorm folded (bias), ReLU and the 16 residual additions as
-    post-ops, on NHWC, none through GEMM or reference kernels; the second pass reorders nothing at all."""
+# ReLUs: after the stem, every convolution inside a block but the last, and every residual addition.
+@pytest.mark.parametrize("model_name, size, layout, convolutions, additions, relus", [
+    ("resnet50", 32, BLOCKED, 53, 16, 49), ("resnet18", 72, NHWC, 20, 8, 17)])
+def test_oneDNN_log_one_call_per_layer_and_no_reorders_after_the_first_pass(model_name, size, layout, convolutions,
+                                                                             additions, relus):
+    """oneDNN's own log: one convolution a layer with BatchNorm folded (bias), ReLU and the residual additions as
+    post-ops, none through GEMM or reference kernels, on the layout for the input size (the stem reads the NCHW
+    images on the blocked layout); the second pass reorders nothing at all."""
+    assert (size * size <= BLOCKED_MAX_PIXELS) == (layout == BLOCKED)
     env = {key: value for key, value in os.environ.items() if key != "ONEDNN_MAX_CPU_ISA"}
     env["ONEDNN_VERBOSE"] = "1"
-    process = subprocess.run([sys.executable, "-c", VERBOSE_SCRIPT], cwd=REPO, env=env, capture_output=True,
-                             text=True, timeout=300)
+    process = subprocess.run([sys.executable, "-c", VERBOSE_SCRIPT, model_name, str(size)], cwd=REPO, env=env,
+                             capture_output=True, text=True, timeout=300)
     assert process.returncode == 0, process.stderr[-3000:]
     second = process.stdout.split("SECOND PASS", 1)[1]
     executed = [line.split(",") for line in second.splitlines()
                 if line.startswith("onednn_verbose") and ",exec," in line]
     kinds = [fields[5] for fields in executed]
-    assert kinds.count("convolution") == 53 and kinds.count("pooling") == 1
+    assert kinds.count("convolution") == convolutions and kinds.count("pooling") == 1
     assert "reorder" not in kinds
     assert "eltwise" not in kinds and "binary" not in kinds and "batch_normalization" not in kinds
-    convolutions = [fields for fields in executed if fields[5] == "convolution"]
-    for fields in convolutions:
+    layers = [fields for fields in executed if fields[5] == "convolution"]
+    for number, fields in enumerate(layers):
         line = ",".join(fields)
         assert fields[7] == "forward_inference", line
         assert "gemm" not in fields[6] and "ref" not in fields[6], line
-        assert "src:f32::blocked:acdb" in line and "dst:f32::blocked:acdb" in line, line  # NHWC
+        source = NCHW if number == 0 and layout == BLOCKED else layout
+        assert f"src:f32::blocked:{source}:" in line and f"dst:f32::blocked:{layout}:" in line, line
         assert "bia:f32" in line, line
-    assert sum("binary_add" in ",".join(fields) for fields in convolutions) == 16
-    assert sum("eltwise_relu" in ",".join(fields) for fields in convolutions) == 49
+    pooling = ",".join(executed[kinds.index("pooling")])
+    assert f"src:f32::blocked:{layout}:" in pooling, pooling
+    assert sum("binary_add" in ",".join(fields) for fields in layers) == additions
+    assert sum("eltwise_relu" in ",".join(fields) for fields in layers) == relus
 
 
 def test_native_thread_count_follows_the_user_setting(monkeypatch):
