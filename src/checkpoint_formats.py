@@ -197,7 +197,7 @@ def zoo_bn_eps(our_name: str, basic_block: bool) -> Optional[float]:
 def known_differences(fmt: str, basic_block: bool) -> List[str]:
     """One line per way the source network computes differently from ours with the same weights."""
     if fmt == ZOO and basic_block:
-        return ["the models zoo's ResNet-18/34 pads like this network (pad_mode 'pad', nn.Pad + 'valid' max pool), "
+        return ["the models zoo's ResNet-18/34 pads like this network (pad_mode 'pad', a zero pad + 'valid' max pool), "
                 "but its block BatchNorms (bn1d, bn2d) use eps 1e-4 where this network uses 1e-5: their "
                 "moving_variance is raised by 9e-5 so that inference gives the zoo network's outputs; in training "
                 "mode batches are normalised with eps 1e-5"]

@@ -332,7 +332,7 @@ def test_block_moving_statistics_follow_torch_running_statistics(blocks):
 # -------------------------------------------------------------------------------- whole-network parity
 
 def test_maxpool_matches_torch_padded_maxpool_on_relu_output():
-    """nn.Pad + valid MaxPool2d equals torch's MaxPool2d(3, 2, padding=1) on non-negative input."""
+    """Zero padding + valid MaxPool2d equals torch's MaxPool2d(3, 2, padding=1) on non-negative input."""
     pool = pristine_ms("resnet18").maxpool
     rng = np.random.default_rng(5)
     for size in (16, 17):
