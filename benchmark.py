@@ -3,7 +3,7 @@ with MindSpore's achieved FLOP rate as a share of the machine's fp32 matrix-prod
 
 python benchmark.py [--sizes 32,224] [--modes train,eval] [--batch_size 32] [--repeats 3] [--rounds 1]
                     [--gemm_size 3072] [--conv_implementation auto|onednn_blocked|mindspore]
-                    [--inference_network fused|resnet] [--output FILE]
+                    [--inference_network fused|fused-blocked|fused-nhwc|resnet] [--output FILE]
 
 Each (framework, mode, input size) runs in its own process: warmup steps (compilation included) are not
 timed, then --repeats timings of --steps steps; the table reports the median, pooled over --rounds rounds that
@@ -94,9 +94,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="n of the n x n GEMM (3072: 58 GFLOP, about 0.3-0.8 s a product on 2 cores)")
     parser.add_argument("--conv_implementation", choices=CHOICES["conv_implementation"], default="auto",
                         help="MindSpore's convolutions, as the config key (auto: onednn_blocked when built)")
-    parser.add_argument("--inference_network", choices=("fused", "resnet"), default="fused",
+    parser.add_argument("--inference_network", choices=("fused", "fused-blocked", "fused-nhwc", "resnet"),
+                        default="fused",
                         help="MindSpore's inference: the fused network evaluation runs (one oneDNN call a layer, "
-                             "when the convolutions are onednn_blocked) or the ResNet cell itself")
+                             "when the convolutions are onednn_blocked; its activation layout by input size, or "
+                             "forced), or the ResNet cell itself")
     parser.add_argument("--output", default="benchmark.json")
     parser.add_argument("--worker", choices=WORKERS, help=argparse.SUPPRESS)
     return parser.parse_args(argv)

@@ -34,7 +34,7 @@ class Measurement:
     flops_per_image: Optional[int] = None  # filled in by the parent process (see flops_per_image)
     conv_implementation: str = ""  # MindSpore's: the convolutions it ran (src/onednn_conv.py)
     onednn_max_cpu_isa: str = ""  # MindSpore's: the oneDNN instruction-set setting it ran under
-    inference_network: str = ""  # MindSpore's, eval: the cell that ran (fused: src/fused_inference.py, or resnet)
+    inference_network: str = ""  # MindSpore's, eval: the cell that ran (fused-blocked, fused-nhwc or resnet)
 
     @property
     def images_per_second(self) -> float:
@@ -92,8 +92,9 @@ def mindspore_step(mode: str, model_name: str, image_size: int, batch_size: int,
                    conv_implementation: str = "mindspore",
                    inference_network: str = "fused") -> Tuple[Callable[[], None], str]:
     """One training step (TrainOneStepCell with Adam, as train.py builds it) or one inference forward: of the
-    network evaluation runs (inference_network "fused") or of the ResNet cell itself ("resnet"). Returns the step
-    and, for inference, which network runs ("fused" only when the network could be fused; "" for training)."""
+    network evaluation runs (inference_network "fused"; "fused-blocked" or "fused-nhwc" force its activation
+    layout) or of the ResNet cell itself ("resnet"). Returns the step and, for inference, which network ran
+    ("fused-" and the layout it ran on, when the network could be fused; "" for training)."""
     import mindspore as ms
     from src.lr_schedule import schedule_from_config
     from src.model_utils.config import load_config
@@ -108,10 +109,16 @@ def mindspore_step(mode: str, model_name: str, image_size: int, batch_size: int,
     images = ms.Tensor(rng.standard_normal((batch_size, 3, image_size, image_size), np.float32))
     labels = ms.Tensor(rng.integers(0, config.class_num, batch_size).astype(np.int32))
     if mode == "eval":
-        from src.fused_inference import FusedResNet, inference_network as evaluation_network
+        from src.fused_inference import FusedResNet, inference_network as evaluation_network, runs_blocked
         net.set_train(False)
-        inference_net = evaluation_network(net) if inference_network == "fused" else net
-        ran = "fused" if isinstance(inference_net, FusedResNet) else "resnet"
+        inference_net = net
+        if inference_network.startswith("fused"):
+            layout = inference_network.partition("-")[2] or "auto"
+            inference_net = evaluation_network(net, layout=layout)
+        ran = "resnet"
+        if isinstance(inference_net, FusedResNet):
+            blocked = runs_blocked(inference_net.layout, inference_net.blocked_usable, image_size, image_size)
+            ran = "fused-blocked" if blocked else "fused-nhwc"
         return lambda: inference_net(images).asnumpy(), ran
     learning_rates = schedule_from_config(config.replace(epoch_size=1, warmup_epochs=0), total_steps)
     optimizer = build_optimizer(config, net.trainable_params(), learning_rates)

@@ -30,6 +30,15 @@ NHWC, NCHW, BLOCKED16 = 0, 1, 2
 # Inputs of at most this many pixels run on BLOCKED16, larger ones on NHWC. ResNet-50, batch 32, 2 threads: the
 # convolutions took about 20 % less time on BLOCKED16 at 32x32 and 64x64, and 5-15 % more at 112x112 and 224x224.
 BLOCKED_MAX_PIXELS = 64 * 64
+# FusedResNet's layout choices: by input size as above, or one layout for every size (to compare them).
+LAYOUT_CHOICES = ("auto", "blocked", "nhwc")
+
+
+def runs_blocked(layout: str, blocked_usable: bool, height: int, width: int) -> bool:
+    """Whether a FusedResNet with this layout choice runs an height x width input on BLOCKED16."""
+    if layout == "auto":
+        return blocked_usable and height * width <= BLOCKED_MAX_PIXELS
+    return layout == "blocked"
 
 # Layer numbers and weights versions: unique in the process, so the native cache of packed weights
 # (keyed by both) never serves one layer's or one update's weights for another.
@@ -186,10 +195,14 @@ class StemPool(nn.Cell):
 
 
 class FusedResNet(nn.Cell):
-    """A ResNet's inference: NCHW images in, logits out, as ResNet.construct in inference mode."""
+    """A ResNet's inference: NCHW images in, logits out, as ResNet.construct in inference mode.
 
-    def __init__(self, net: ResNet) -> None:
+    layout: the activations' layout, one of LAYOUT_CHOICES ("auto": by input size, see BLOCKED_MAX_PIXELS)."""
+
+    def __init__(self, net: ResNet, layout: str = "auto") -> None:
         super().__init__()
+        if layout not in LAYOUT_CHOICES:
+            raise ValueError(f"layout {layout!r} is not one of {', '.join(LAYOUT_CHOICES)}")
         self.conv1 = FusedConv(net.conv1, "Relu", blocked_input=NCHW)
         self.maxpool = StemPool()
         self.layers = nn.CellList([FusedBlock(block) for layer in (net.layer1, net.layer2, net.layer3, net.layer4)
@@ -197,6 +210,9 @@ class FusedResNet(nn.Cell):
         # BLOCKED16 needs whole 16-channel blocks after every layer (true of torchvision's ResNets).
         self.blocked_usable = all(cell.out_channels % 16 == 0 for _, cell in net.cells_and_names()
                                   if isinstance(cell, nn.Conv2d))
+        if layout == "blocked" and not self.blocked_usable:
+            raise ValueError("layout 'blocked' needs every convolution's output channels in multiples of 16")
+        self.layout = layout
         self.fc = nn.Dense(net.fc.in_channels, net.fc.out_channels)
         self.load_from(net)
         self.set_train(False)
@@ -213,7 +229,7 @@ class FusedResNet(nn.Cell):
 
     def construct(self, x):
         n, _, h, w = x.shape
-        blocked = self.blocked_usable and h * w <= BLOCKED_MAX_PIXELS  # a constant: the graph keeps one path
+        blocked = runs_blocked(self.layout, self.blocked_usable, h, w)  # a constant: the graph keeps one path
         if not blocked:
             x = ops.transpose(x, (0, 2, 3, 1))
         x = self.maxpool(self.conv1(x, blocked), blocked)
@@ -238,11 +254,11 @@ def why_not_fusable(net: nn.Cell) -> Optional[str]:
     return None
 
 
-def inference_network(net: nn.Cell, reuse: Optional[nn.Cell] = None) -> nn.Cell:
+def inference_network(net: nn.Cell, reuse: Optional[nn.Cell] = None, layout: str = "auto") -> nn.Cell:
     """The cell to run net's inference with: a FusedResNet of it when fusable, else net in inference mode.
 
     reuse: the result of an earlier call for the same net; a FusedResNet is then refreshed with net's current
-    weights instead of built again (its compiled graph is kept).
+    weights instead of built again (its compiled graph is kept). layout: FusedResNet's (LAYOUT_CHOICES).
     """
     if why_not_fusable(net) is not None:
         net.set_train(False)
@@ -250,4 +266,4 @@ def inference_network(net: nn.Cell, reuse: Optional[nn.Cell] = None) -> nn.Cell:
     if isinstance(reuse, FusedResNet):
         reuse.load_from(net)
         return reuse
-    return FusedResNet(net)
+    return FusedResNet(net, layout)

@@ -118,8 +118,9 @@ def test_end_to_end_run_writes_flop_rates_and_gemm_rates(tmp_path):
     # The project's defaults, as train.py applies them: blocked-layout convolutions, oneDNN uncapped.
     ours = result["measurements"][0]
     assert (ours["conv_implementation"], ours["onednn_max_cpu_isa"]) == ("onednn_blocked", "all")
-    assert "mindspore_convolutions=onednn_blocked ONEDNN_MAX_CPU_ISA=all mindspore_inference=fused" in process.stdout
-    assert ours["inference_network"] == "fused"  # what evaluation runs
+    assert ("mindspore_convolutions=onednn_blocked ONEDNN_MAX_CPU_ISA=all mindspore_inference=fused-blocked"
+            in process.stdout)
+    assert ours["inference_network"] == "fused-blocked"  # what evaluation runs at 32x32
     isa = {g["onednn_max_cpu_isa"] for g in gemm["measurements"] if g["backend"] == "mindspore"}
     assert isa == {"all"}  # the MindSpore model workers' setting
     for m in result["measurements"]:
@@ -139,9 +140,11 @@ def test_bad_input_is_one_error_line(args, option):
 
 
 @pytest.mark.parametrize("requested, conv, ran", [("resnet", "onednn_blocked", "resnet"),
-                                                  ("fused", "mindspore", "resnet")])
+                                                  ("fused", "mindspore", "resnet"),
+                                                  ("fused-nhwc", "onednn_blocked", "fused-nhwc")])
 def test_inference_network_records_the_cell_that_ran(requested, conv, ran):
-    """--inference_network resnet times the ResNet cell itself; MindSpore's Conv2d can't be fused."""
+    """--inference_network resnet times the ResNet cell itself; MindSpore's Conv2d can't be fused; fused-nhwc
+    runs NHWC where the size alone would pick the blocked layout."""
     measurement = measure_in_subprocess("mindspore", "eval", "resnet18", 32, 2, 2, warmup=1, repeats=1, steps=1,
                                         conv_implementation=conv, inference_network=requested)
     assert measurement.inference_network == ran and measurement.conv_implementation == conv

@@ -35,21 +35,23 @@ def reference_logits(net_blocked: nn.Cell, model_name: str, images: np.ndarray) 
     return plain(ms.Tensor(images)).asnumpy()
 
 
-@pytest.mark.parametrize("model_name, batch, size", [("resnet50", 4, 32), ("resnet18", 3, 40), ("resnet18", 2, 72)])
-def test_fused_network_computes_the_resnet_inference(model_name, batch, size):
-    """Equal to the plain MindSpore network (nn.Conv2d, BatchNorm, ReLU, add) to float rounding, on the blocked
-    layout (32, 40) and on NHWC (72); 40 and 72 give odd map sizes (20, 10, 5, 3; 9, 5, 3) at the pool and the
-    strided layers."""
+@pytest.mark.parametrize("model_name, batch, size, layout", [
+    ("resnet50", 4, 32, "auto"), ("resnet18", 3, 40, "auto"), ("resnet18", 2, 72, "auto"),
+    ("resnet18", 2, 40, "nhwc"), ("resnet18", 2, 72, "blocked")])
+def test_fused_network_computes_the_resnet_inference(model_name, batch, size, layout):
+    """Equal to the plain MindSpore network (nn.Conv2d, BatchNorm, ReLU, add) to float rounding, on either layout
+    (auto: blocked at 32 and 40, NHWC at 72); 40 and 72 give odd map sizes (20, 10, 5, 3; 9, 5, 3) at the pool
+    and the strided layers."""
     rng = np.random.default_rng(0)
     net = build_resnet(model_name, 10, conv_implementation="onednn_blocked")
     randomise_statistics(net, rng)
     images = rng.standard_normal((batch, 3, size, size)).astype(np.float32)
-    fused = inference_network(net)
+    fused = inference_network(net, layout=layout)
     assert isinstance(fused, FusedResNet)
     logits = fused(ms.Tensor(images)).asnumpy()
     expected = reference_logits(net, model_name, images)
     assert logits.shape == expected.shape
-    print(f"\n  {model_name} {size}x{size}: fused vs plain logits rel {rel_diff(logits, expected):.2g}")  # -s shows it
+    print(f"\n  {model_name} {size}x{size} {layout}: fused vs plain logits rel {rel_diff(logits, expected):.2g}")
     assert rel_diff(logits, expected) < 1e-5
     # A second batch size in the same network: another oneDNN plan, with its own packed weights.
     one = fused(ms.Tensor(images[:1])).asnumpy()
@@ -95,6 +97,12 @@ def test_networks_that_cannot_be_fused_run_as_they_are():
     net.set_train(True)
     assert inference_network(net) is net
     assert not net.training  # but in inference mode
+
+
+def test_an_unknown_layout_is_refused():
+    net = build_resnet("resnet18", 10, conv_implementation="onednn_blocked")
+    with pytest.raises(ValueError, match="layout 'nchw'"):
+        FusedResNet(net, layout="nchw")
 
 
 def test_fold_batchnorm_is_the_convolution_followed_by_batchnorm():
