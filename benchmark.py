@@ -97,8 +97,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--inference_network", choices=("fused", "fused-blocked", "fused-nhwc", "resnet"),
                         default="fused",
                         help="MindSpore's inference: the fused network evaluation runs (one oneDNN call a layer, "
-                             "when the convolutions are onednn_blocked; its activation layout by input size, or "
-                             "forced), or the ResNet cell itself")
+                             "when the convolutions are onednn_blocked; its activation layout as "
+                             "evaluation picks it, or forced), or the ResNet cell itself")
     parser.add_argument("--output", default="benchmark.json")
     parser.add_argument("--worker", choices=WORKERS, help=argparse.SUPPRESS)
     return parser.parse_args(argv)

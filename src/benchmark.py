@@ -109,7 +109,7 @@ def mindspore_step(mode: str, model_name: str, image_size: int, batch_size: int,
     images = ms.Tensor(rng.standard_normal((batch_size, 3, image_size, image_size), np.float32))
     labels = ms.Tensor(rng.integers(0, config.class_num, batch_size).astype(np.int32))
     if mode == "eval":
-        from src.fused_inference import FusedResNet, inference_network as evaluation_network, runs_blocked
+        from src.fused_inference import FusedResNet, inference_network as evaluation_network
         net.set_train(False)
         inference_net = net
         if inference_network.startswith("fused"):
@@ -117,8 +117,7 @@ def mindspore_step(mode: str, model_name: str, image_size: int, batch_size: int,
             inference_net = evaluation_network(net, layout=layout)
         ran = "resnet"
         if isinstance(inference_net, FusedResNet):
-            blocked = runs_blocked(inference_net.layout, inference_net.blocked_usable, image_size, image_size)
-            ran = "fused-blocked" if blocked else "fused-nhwc"
+            ran = "fused-blocked" if inference_net.runs_blocked else "fused-nhwc"
         return lambda: inference_net(images).asnumpy(), ran
     learning_rates = schedule_from_config(config.replace(epoch_size=1, warmup_epochs=0), total_steps)
     optimizer = build_optimizer(config, net.trainable_params(), learning_rates)

@@ -5,8 +5,8 @@
   weights * gamma / sqrt(var + eps), bias beta - mean * gamma / sqrt(var + eps), computed in float64;
 - ReLU and the residual addition run inside the convolution as oneDNN post-ops;
 - activations stay in one layout from layer to layer, so nothing is reordered between layers: nChw16c (16-channel
-  blocks, oneDNN's direct jit kernels) for small inputs, NHWC (its brgemm kernels) for large ones, whichever ran
-  faster here (BLOCKED_MAX_PIXELS); the global average pool reads that layout;
+  blocks, oneDNN's direct jit kernels), or NHWC (its brgemm kernels) when the channels don't come in multiples
+  of 16 or when asked for (LAYOUT_CHOICES); the global average pool reads that layout;
 - each layer's weights are reordered into the kernel's layout once per update instead of at every call.
 It computes what the ResNet computes in inference mode, up to float rounding (tests/test_fused_inference.py).
 
@@ -27,18 +27,11 @@ from src.resnet import BasicBlock, Bottleneck, ResNet
 # Activation layouts, numbered as native/onednn_conv.cc's Layout. MindSpore sees NHWC tensors as (N, H, W, C),
 # NCHW and BLOCKED16 (nChw16c: the same floats in 16-channel blocks) as (N, C, H, W).
 NHWC, NCHW, BLOCKED16 = 0, 1, 2
-# Inputs of at most this many pixels run on BLOCKED16, larger ones on NHWC. ResNet-50, batch 32, 2 threads: the
-# convolutions took about 20 % less time on BLOCKED16 at 32x32 and 64x64, and 5-15 % more at 112x112 and 224x224.
-BLOCKED_MAX_PIXELS = 64 * 64
-# FusedResNet's layout choices: by input size as above, or one layout for every size (to compare them).
+# FusedResNet's layout choices. auto: BLOCKED16 when every layer's channels fill 16-channel blocks, else NHWC.
+# ResNet-50 inference, batch 32, 2 threads (python benchmark.py --modes eval --sizes 32,64,112,224
+# --inference_network fused-blocked, then fused-nhwc): BLOCKED16 ran 7 % faster at 32x32 and 40 % at 64x64,
+# and the two were within the machine's noise at 112x112 and 224x224.
 LAYOUT_CHOICES = ("auto", "blocked", "nhwc")
-
-
-def runs_blocked(layout: str, blocked_usable: bool, height: int, width: int) -> bool:
-    """Whether a FusedResNet with this layout choice runs an height x width input on BLOCKED16."""
-    if layout == "auto":
-        return blocked_usable and height * width <= BLOCKED_MAX_PIXELS
-    return layout == "blocked"
 
 # Layer numbers and weights versions: unique in the process, so the native cache of packed weights
 # (keyed by both) never serves one layer's or one update's weights for another.
@@ -197,7 +190,7 @@ class StemPool(nn.Cell):
 class FusedResNet(nn.Cell):
     """A ResNet's inference: NCHW images in, logits out, as ResNet.construct in inference mode.
 
-    layout: the activations' layout, one of LAYOUT_CHOICES ("auto": by input size, see BLOCKED_MAX_PIXELS)."""
+    layout: the activations' layout, one of LAYOUT_CHOICES."""
 
     def __init__(self, net: ResNet, layout: str = "auto") -> None:
         super().__init__()
@@ -213,6 +206,7 @@ class FusedResNet(nn.Cell):
         if layout == "blocked" and not self.blocked_usable:
             raise ValueError("layout 'blocked' needs every convolution's output channels in multiples of 16")
         self.layout = layout
+        self.runs_blocked = layout == "blocked" or (layout == "auto" and self.blocked_usable)
         self.fc = nn.Dense(net.fc.in_channels, net.fc.out_channels)
         self.load_from(net)
         self.set_train(False)
@@ -228,8 +222,8 @@ class FusedResNet(nn.Cell):
         self.fc.bias.set_data(net.fc.bias.value().copy())
 
     def construct(self, x):
-        n, _, h, w = x.shape
-        blocked = runs_blocked(self.layout, self.blocked_usable, h, w)  # a constant: the graph keeps one path
+        n = x.shape[0]
+        blocked = self.runs_blocked  # a constant: the graph keeps one path
         if not blocked:
             x = ops.transpose(x, (0, 2, 3, 1))
         x = self.maxpool(self.conv1(x, blocked), blocked)

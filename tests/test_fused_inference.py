@@ -11,7 +11,7 @@ import mindspore as ms
 from mindspore import nn
 
 from conftest import REPO, rel_diff
-from src.fused_inference import BLOCKED_MAX_PIXELS, FusedResNet, fold_batchnorm, inference_network
+from src.fused_inference import FusedResNet, fold_batchnorm, inference_network
 from src.onednn_conv import native_thread_count
 from src.resnet import build_resnet
 
@@ -36,12 +36,12 @@ def reference_logits(net_blocked: nn.Cell, model_name: str, images: np.ndarray) 
 
 
 @pytest.mark.parametrize("model_name, batch, size, layout", [
-    ("resnet50", 4, 32, "auto"), ("resnet18", 3, 40, "auto"), ("resnet18", 2, 72, "auto"),
-    ("resnet18", 2, 40, "nhwc"), ("resnet18", 2, 72, "blocked")])
+    ("resnet50", 4, 32, "auto"), ("resnet18", 3, 40, "auto"), ("resnet18", 2, 40, "nhwc"),
+    ("resnet18", 2, 72, "nhwc")])
 def test_fused_network_computes_the_resnet_inference(model_name, batch, size, layout):
     """Equal to the plain MindSpore network (nn.Conv2d, BatchNorm, ReLU, add) to float rounding, on either layout
-    (auto: blocked at 32 and 40, NHWC at 72); 40 and 72 give odd map sizes (20, 10, 5, 3; 9, 5, 3) at the pool
-    and the strided layers."""
+    (auto is blocked for ResNets); 40 and 72 give odd map sizes (20, 10, 5, 3; 9, 5, 3) at the pool and the
+    strided layers."""
     rng = np.random.default_rng(0)
     net = build_resnet(model_name, 10, conv_implementation="onednn_blocked")
     randomise_statistics(net, rng)
@@ -127,7 +127,7 @@ choose_convolutions("onednn_blocked", "CPU")
 from src.resnet import build_resnet
 from src.fused_inference import inference_network
 ms.set_context(mode=ms.GRAPH_MODE)
-fused = inference_network(build_resnet(sys.argv[1], 10, conv_implementation="onednn_blocked"))
+fused = inference_network(build_resnet(sys.argv[1], 10, conv_implementation="onednn_blocked"), layout=sys.argv[3])
 images = ms.Tensor(np.ones((2, 3, int(sys.argv[2]), int(sys.argv[2])), np.float32))
 fused(images).asnumpy()
 print("SECOND PASS", flush=True)
@@ -137,17 +137,16 @@ NCHW, BLOCKED, NHWC = "abcd", "aBcd16b", "acdb"  # oneDNN's names
 
 
 # ReLUs: after the stem, every convolution inside a block but the last, and every residual addition.
-@pytest.mark.parametrize("model_name, size, layout, convolutions, additions, relus", [
-    ("resnet50", 32, BLOCKED, 53, 16, 49), ("resnet18", 72, NHWC, 20, 8, 17)])
-def test_oneDNN_log_one_call_per_layer_and_no_reorders_after_the_first_pass(model_name, size, layout, convolutions,
-                                                                             additions, relus):
+@pytest.mark.parametrize("model_name, size, choice, layout, convolutions, additions, relus", [
+    ("resnet50", 32, "auto", BLOCKED, 53, 16, 49), ("resnet18", 72, "nhwc", NHWC, 20, 8, 17)])
+def test_oneDNN_log_one_call_per_layer_and_no_reorders_after_the_first_pass(model_name, size, choice, layout,
+                                                                             convolutions, additions, relus):
     """oneDNN's own log: one convolution a layer with BatchNorm folded (bias), ReLU and the residual additions as
-    post-ops, none through GEMM or reference kernels, on the layout for the input size (the stem reads the NCHW
-    images on the blocked layout); the second pass reorders nothing at all."""
-    assert (size * size <= BLOCKED_MAX_PIXELS) == (layout == BLOCKED)
+    post-ops, none through GEMM or reference kernels, on the chosen layout (the stem reads the NCHW images on
+    the blocked layout); the second pass reorders nothing at all."""
     env = {key: value for key, value in os.environ.items() if key != "ONEDNN_MAX_CPU_ISA"}
     env["ONEDNN_VERBOSE"] = "1"
-    process = subprocess.run([sys.executable, "-c", VERBOSE_SCRIPT, model_name, str(size)], cwd=REPO, env=env,
+    process = subprocess.run([sys.executable, "-c", VERBOSE_SCRIPT, model_name, str(size), choice], cwd=REPO, env=env,
                              capture_output=True, text=True, timeout=300)
     assert process.returncode == 0, process.stderr[-3000:]
     second = process.stdout.split("SECOND PASS", 1)[1]
