@@ -126,6 +126,38 @@ def _forward_op(stride: int, padding: int) -> ops.Custom:
     return ops.Custom(f"{library}:ConvForward{suffix}", output_shape, output_dtype, func_type="aot", bprop=bprop)
 
 
+@functools.lru_cache(maxsize=None)
+def _conv_batchnorm_op(stride: int, padding: int) -> ops.Custom:
+    """Convolution then BatchNorm on the batch's statistics in one native call (training), with its gradient op
+    as bprop: (x, weight, gamma, beta, eps) -> (y, the convolution's output in 16-channel blocks, kept for the
+    gradient, batch mean, batch variance (biased))."""
+    library = usable_library()
+    suffix = f"_s{stride}_p{padding}"
+
+    def backward_shape(dy, conv_out, mean, variance, gamma, eps, x, weight):
+        return x, weight, gamma, gamma
+
+    def backward_dtype(dy, *others):
+        return dy, dy, dy, dy
+
+    backward = ops.Custom(f"{library}:ConvBnBackward{suffix}", backward_shape, backward_dtype, func_type="aot")
+
+    def output_shape(x_shape, w_shape, gamma_shape, beta_shape, eps_shape):
+        y_shape = (x_shape[0], w_shape[0], (x_shape[2] + 2 * padding - w_shape[2]) // stride + 1,
+                   (x_shape[3] + 2 * padding - w_shape[3]) // stride + 1)
+        return y_shape, y_shape, gamma_shape, gamma_shape
+
+    def output_dtype(x_dtype, *others):
+        return x_dtype, x_dtype, x_dtype, x_dtype
+
+    def bprop(x, weight, gamma, beta, eps, out, dout):
+        # Only y carries a gradient: conv_out is for this bprop, mean and variance only update moving statistics.
+        dx, dw, dgamma, dbeta = backward(dout[0], out[1], out[2], out[3], gamma, eps, x, weight)
+        return dx, dw, dgamma, dbeta, ops.zeros_like(eps)
+
+    return ops.Custom(f"{library}:ConvBnForward{suffix}", output_shape, output_dtype, func_type="aot", bprop=bprop)
+
+
 def _symmetric_padding(cell: nn.Conv2d) -> Optional[int]:
     if cell.pad_mode == "valid":
         return 0
@@ -150,7 +182,25 @@ class BlockedConv2d(nn.Conv2d):
         supported = (self.group == 1 and tuple(dilation) == (1, 1) and stride[0] == stride[1]
                      and stride[0] in SUPPORTED_STRIDES and padding in SUPPORTED_PADDINGS)
         self.blocked_op = _forward_op(stride[0], padding) if supported else None
+        # The fused BatchNorm runs on 16-channel blocks.
+        fusable = supported and not self.has_bias and self.out_channels % 16 == 0
+        self.batchnorm_op = _conv_batchnorm_op(stride[0], padding) if fusable else None
         self.blocked_stride, self.blocked_padding = stride[0], padding  # what the native ops are told
+
+    def with_batchnorm(self, x, bn: nn.BatchNorm2d):
+        """bn(self(x)). In training on batch statistics both run in one native call, the convolution's output
+        kept in oneDNN's blocked layout for its BatchNorm kernels, and bn's moving statistics are updated as
+        nn.BatchNorm2d updates them: with the unbiased batch variance, bn.momentum being the new batch's weight
+        (nn.BatchNorm2d keeps 1 - its momentum argument there)."""
+        if self.batchnorm_op is None or x.dtype != ms.float32 or not bn.training or bn.use_batch_statistics is False:
+            return bn(self.construct(x))
+        eps = ms.Tensor([bn.eps], ms.float32)
+        y, _, mean, variance = self.batchnorm_op(x, self.weight, bn.gamma, bn.beta, eps)
+        count = y.shape[0] * y.shape[2] * y.shape[3]
+        unbiased = variance * (count / max(count - 1, 1))
+        ops.assign(bn.moving_mean, bn.moving_mean * (1 - bn.momentum) + mean * bn.momentum)
+        ops.assign(bn.moving_variance, bn.moving_variance * (1 - bn.momentum) + unbiased * bn.momentum)
+        return y
 
     def construct(self, x):
         if self.blocked_op is None or x.dtype != ms.float32:

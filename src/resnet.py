@@ -31,6 +31,13 @@ def batch_norm(channels: int) -> nn.BatchNorm2d:
     return nn.BatchNorm2d(channels, eps=BN_EPS, momentum=BN_MOMENTUM)
 
 
+def conv_bn(conv: nn.Conv2d, bn: nn.BatchNorm2d, x):
+    """bn(conv(x)); a convolution that can run its BatchNorm itself (BlockedConv2d.with_batchnorm) does."""
+    if hasattr(conv, "with_batchnorm"):
+        return conv.with_batchnorm(x, bn)
+    return bn(conv(x))
+
+
 class BasicBlock(nn.Cell):
     """Two 3x3 convolutions (ResNet-18/34)."""
     expansion = 1
@@ -50,10 +57,10 @@ class BasicBlock(nn.Cell):
 
     def construct(self, x):
         identity = x
-        out = self.relu(self.bn1(self.conv1(x)))
-        out = self.bn2(self.conv2(out))
+        out = self.relu(conv_bn(self.conv1, self.bn1, x))
+        out = conv_bn(self.conv2, self.bn2, out)
         if self.downsample is not None:
-            identity = self.downsample(x)
+            identity = conv_bn(self.downsample[0], self.downsample[1], x)
         return self.relu(out + identity)
 
 
@@ -78,11 +85,11 @@ class Bottleneck(nn.Cell):
 
     def construct(self, x):
         identity = x
-        out = self.relu(self.bn1(self.conv1(x)))
-        out = self.relu(self.bn2(self.conv2(out)))
-        out = self.bn3(self.conv3(out))
+        out = self.relu(conv_bn(self.conv1, self.bn1, x))
+        out = self.relu(conv_bn(self.conv2, self.bn2, out))
+        out = conv_bn(self.conv3, self.bn3, out)
         if self.downsample is not None:
-            identity = self.downsample(x)
+            identity = conv_bn(self.downsample[0], self.downsample[1], x)
         return self.relu(out + identity)
 
 
@@ -155,7 +162,7 @@ class ResNet(nn.Cell):
                     gamma.set_data(init.initializer("zeros", gamma.shape, gamma.dtype))
 
     def construct(self, x):
-        x = self.maxpool(self.relu(self.bn1(self.conv1(x))))
+        x = self.maxpool(self.relu(conv_bn(self.conv1, self.bn1, x)))
         x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
         # Global average pooling: a mean over H and W equals AdaptiveAvgPool2d((1, 1)) and is cheaper.
         x = x.mean(axis=(2, 3))

@@ -15,6 +15,7 @@ from mindspore import nn
 from conftest import REPO, assert_one_line_error, rel_diff
 from src.errors import UserError
 from src.onednn_conv import BlockedConv2d, resolve_conv_implementation
+from src.resnet import conv_bn
 
 
 # (in, out, kernel, stride, padding, input size): every kind of convolution in the ResNets.
@@ -96,18 +97,51 @@ print(json.dumps(float(np.abs(net(ms.Tensor(np.ones((2, 3, 32, 32), np.float32))
 """
 
 
-def test_oneDNN_runs_the_convolutions_on_blocked_layouts():
-    """oneDNN's own log of what ran: every convolution on a blocked layout, none through GEMM."""
+TRAIN_VERBOSE_SCRIPT = """
+import numpy as np, mindspore as ms
+from mindspore import nn
+from src.resnet import build_resnet
+ms.set_context(mode=ms.GRAPH_MODE)
+net = build_resnet("resnet50", 10, conv_implementation="onednn_blocked")
+loss = nn.WithLossCell(net, nn.SoftmaxCrossEntropyWithLogits(sparse=True, reduction="mean"))
+step = nn.TrainOneStepCell(loss, nn.SGD(net.trainable_params(), 0.01))
+step.set_train(True)
+print(step(ms.Tensor(np.ones((2, 3, 32, 32), np.float32)), ms.Tensor(np.array([1, 2], np.int32))))
+"""
+
+
+def onednn_log(script: str) -> list:
+    """oneDNN's exec lines, split into fields, from running script with ONEDNN_VERBOSE=1 at the default ISA."""
     env = {key: value for key, value in os.environ.items() if key != "ONEDNN_MAX_CPU_ISA"}
     env["ONEDNN_VERBOSE"] = "1"
-    process = subprocess.run([sys.executable, "-c", VERBOSE_SCRIPT], cwd=REPO, env=env, capture_output=True,
+    process = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True,
                              text=True, timeout=300)
     assert process.returncode == 0, process.stderr[-3000:]
-    convolutions = [line for line in process.stdout.splitlines()
-                    if line.startswith("onednn_verbose") and ",exec," in line and ",convolution," in line]
+    return [line.split(",") for line in process.stdout.splitlines()
+            if line.startswith("onednn_verbose") and ",exec," in line]
+
+
+def test_oneDNN_runs_training_batchnorm_on_the_convolutions_blocked_output():
+    """A training step: every BatchNorm runs in oneDNN on 16-channel blocks, forward on batch statistics and
+    backward, and the convolutions' three passes are direct kernels, none through GEMM."""
+    log = onednn_log(TRAIN_VERBOSE_SCRIPT)
+    norms = [fields for fields in log if fields[5] == "batch_normalization"]
+    assert sorted(fields[7] for fields in norms) == ["backward"] * 53 + ["forward_training"] * 53
+    for fields in norms:
+        assert "ref" not in fields[6] and "blocked:aBcd16b" in fields[8], fields
+    convolutions = [fields for fields in log if fields[5] == "convolution"]
+    kinds = sorted(fields[7] for fields in convolutions)
+    assert kinds == ["backward_data"] * 53 + ["backward_weights"] * 53 + ["forward_training"] * 53
+    for fields in convolutions:
+        assert "gemm" not in fields[6] and "ref" not in fields[6], fields
+
+
+def test_oneDNN_runs_the_convolutions_on_blocked_layouts():
+    """oneDNN's own log of what ran: every convolution on a blocked layout, none through GEMM."""
+    convolutions = [fields for fields in onednn_log(VERBOSE_SCRIPT) if fields[5] == "convolution"]
     assert len(convolutions) == 53  # resnet50's convolutions, one forward each
-    for line in convolutions:
-        fields = line.split(",")
+    for fields in convolutions:
+        line = ",".join(fields)
         implementation, layouts, problem = fields[6], fields[8], fields[11]
         assert "gemm" not in implementation and "ref" not in implementation, line
         assert re.search(r"dst:f32:a:blocked:aBcd(8|16)b", layouts), line  # channels in blocks of 8 or 16
@@ -152,3 +186,65 @@ def test_build_without_a_compiler_installs_and_records_why(tmp_path):
     assert resolved.stdout.startswith("mindspore | the native convolution library failed to build ([Errno 2] "
                                       "No such file or directory"), resolved.stdout + resolved.stderr
     assert "no-such-compiler" in resolved.stdout
+
+
+def conv_batchnorm_results(conv: nn.Conv2d, bn: nn.BatchNorm2d, x: np.ndarray, upstream: np.ndarray):
+    """y, the moving statistics after one training forward, and the gradients of (y * upstream).sum() for x,
+    the weights, gamma and beta: through conv_bn, as the ResNet blocks call it."""
+    bn.set_train(True)
+    conv.set_train(True)
+
+    def objective(images):
+        return (conv_bn(conv, bn, images) * ms.Tensor(upstream)).sum()
+    grad_fn = ms.grad(objective, grad_position=0, weights=[conv.weight, bn.gamma, bn.beta])
+    dx, (dw, dgamma, dbeta) = grad_fn(ms.Tensor(x))
+    start = [bn.moving_mean.asnumpy(), bn.moving_variance.asnumpy()]  # the gradient's forward moved them once
+    y = conv_bn(conv, bn, ms.Tensor(x)).asnumpy()
+    return [y, bn.moving_mean.asnumpy(), bn.moving_variance.asnumpy(), dx.asnumpy(), dw.asnumpy(), dgamma.asnumpy(),
+            dbeta.asnumpy()], start
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[2]}x{c[2]}s{c[3]}p{c[4]}_{c[0]}to{c[1]}_h{c[5]}")
+@pytest.mark.parametrize("mode", [ms.GRAPH_MODE, ms.PYNATIVE_MODE], ids=["graph", "pynative"])
+def test_convolution_with_batchnorm_equals_conv2d_then_batchnorm2d(case, mode):
+    """Training: the fused convolution + BatchNorm gives nn.Conv2d + nn.BatchNorm2d's output, moving statistics
+    and gradients (input, weights, gamma, beta)."""
+    ms.set_context(mode=mode)
+    ci, co, k, s, p, h = case
+    plain, blocked = conv_pair(ci, co, k, s, p)
+    assert blocked.batchnorm_op is not None
+    rng = np.random.default_rng(4)
+    norms = [nn.BatchNorm2d(co, eps=1e-5, momentum=0.9) for _ in range(2)]
+    for name in ("gamma", "beta", "moving_mean", "moving_variance"):
+        values = ms.Tensor(rng.uniform(0.5, 1.5, co).astype(np.float32))
+        for bn in norms:
+            getattr(bn, name).set_data(values.copy())
+    x = rng.standard_normal((4, ci, h, h)).astype(np.float32)
+    out_h = (h + 2 * p - k) // s + 1
+    upstream = rng.standard_normal((4, co, out_h, out_h)).astype(np.float32)
+    expected, expected_start = conv_batchnorm_results(plain, norms[0], x, upstream)
+    actual, actual_start = conv_batchnorm_results(blocked, norms[1], x, upstream)
+    for before, after in zip(expected_start, actual_start):
+        assert rel_diff(after, before) < 1e-5
+    names = ["y", "moving_mean", "moving_variance", "dx", "dw", "dgamma", "dbeta"]
+    for name, want, got in zip(names, expected, actual):
+        assert got.shape == want.shape, name
+        # out_h 1 at batch 4: 4 values a channel, so BatchNorm's outputs lose more digits to cancellation.
+        assert rel_diff(got, want) < 1e-4, name
+
+
+def test_batchnorm_fusion_falls_back_where_it_cannot_run():
+    """In inference mode, and for channels that don't fill 16-channel blocks, conv_bn runs the two cells."""
+    ms.set_context(mode=ms.GRAPH_MODE)
+    rng = np.random.default_rng(5)
+    x = ms.Tensor(rng.standard_normal((2, 8, 6, 6)).astype(np.float32))
+    odd = BlockedConv2d(8, 8, 3, pad_mode="pad", padding=1, has_bias=False)
+    assert odd.blocked_op is not None and odd.batchnorm_op is None
+    bn = nn.BatchNorm2d(8)
+    bn.set_train(True)
+    np.testing.assert_array_equal(conv_bn(odd, bn, x).asnumpy(), bn(odd(x)).asnumpy())
+    conv = BlockedConv2d(8, 16, 3, pad_mode="pad", padding=1, has_bias=False)
+    bn = nn.BatchNorm2d(16)
+    bn.moving_mean.set_data(ms.Tensor(rng.normal(size=16).astype(np.float32)))
+    bn.set_train(False)
+    np.testing.assert_array_equal(conv_bn(conv, bn, x).asnumpy(), bn(conv(x)).asnumpy())
