@@ -10,8 +10,8 @@
 //
 // Training, convolution + BatchNorm (ConvBn*): one call runs a convolution and the BatchNorm after it on the
 // batch's statistics, the convolution's output kept in 16-channel blocks for oneDNN's jit BatchNorm kernels
-// (its plain-layout BatchNorm, which MindSpore's BatchNorm runs, took 3-4x longer for ResNet-50's shapes), and
-// the gradient call feeds BatchNorm's input gradient to both convolution gradients without reordering it twice.
+// (MindSpore's BatchNorm needs plain tensors and runs oneDNN's slower plain-layout kernel), and the gradient
+// call feeds BatchNorm's input gradient to both convolution gradients without reordering it twice.
 //
 // Inference (ConvInference*, MaxPool*): activations stay in one layout from layer to layer, so no reorders run
 // between layers: NHWC, where oneDNN runs its brgemm kernels (faster on large maps), or nChw16c (16-channel
