@@ -9,13 +9,14 @@
 // The library links MindSpore's own libdnnl.so.3, so it shares MindSpore's oneDNN and its ISA setting.
 //
 // Training, convolution + BatchNorm (ConvBn*): one call runs a convolution and the BatchNorm after it on the
-// batch's statistics, the convolution's output kept in 16-channel blocks for oneDNN's jit BatchNorm kernels
+// batch's statistics, the convolution's output kept in channel blocks for oneDNN's jit BatchNorm kernels
 // (MindSpore's BatchNorm needs plain tensors and runs oneDNN's slower plain-layout kernel), and the gradient
 // call feeds BatchNorm's input gradient to both convolution gradients without reordering it twice.
 //
 // Inference (ConvInference*, MaxPool*): activations stay in one layout from layer to layer, so no reorders run
-// between layers: NHWC, where oneDNN runs its brgemm kernels (faster on large maps), or nChw16c (16-channel
-// blocks), where it runs its direct jit kernels (faster on small maps); the caller picks (src/fused_inference.py).
+// between layers: NHWC, where oneDNN runs its brgemm kernels, or channel blocks (nChw16c; nChw8c without
+// AVX-512), where it runs its direct jit kernels (faster on small maps); the caller picks
+// (src/fused_inference.py).
 // BatchNorm comes folded into the weights and bias, ReLU and the residual addition run as oneDNN post-ops,
 // and each layer's weights are reordered into the kernel's layout once per weights version.
 #include <algorithm>
@@ -46,6 +47,20 @@ namespace {
 
 using dnnl::memory;
 using tag = dnnl::memory::format_tag;
+
+// Channels per block of the blocked layouts: 16 (one AVX-512 register of floats) when oneDNN runs AVX-512 code,
+// else 8 (AVX2, SSE4.1). oneDNN's jit kernels for convolution, BatchNorm and pooling exist only for their
+// ISA's block; on the other one it falls back to its reference kernels. The ISA in effect honours
+// ONEDNN_MAX_CPU_ISA and is fixed from the first query on.
+int ChannelBlock() {
+  static const int block = [] {
+    const int avx512_core = static_cast<int>(dnnl::cpu_isa::avx512_core);
+    return (static_cast<int>(dnnl::get_effective_cpu_isa()) & avx512_core) == avx512_core ? 16 : 8;
+  }();
+  return block;
+}
+
+tag BlockedTag() { return ChannelBlock() == 16 ? tag::aBcd16b : tag::aBcd8b; }
 
 // oneDNN in MindSpore is built for a caller-supplied thread pool. This one is synchronous: the
 // calling thread takes a share, workers spin briefly (a step makes hundreds of short calls) then sleep.
@@ -206,14 +221,14 @@ class Runtime {
   }
 
   // Convolution, then BatchNorm on the batch's statistics (training). x, weights and y plain; conv_out (the
-  // convolution's output, kept for the gradient) in 16-channel blocks; mean and (biased) variance per channel.
+  // convolution's output, kept for the gradient) in channel blocks; mean and (biased) variance per channel.
   void ConvBnForward(const Shape &shape, float eps, void *x, void *weights, void *gamma, void *beta, void *y,
                      void *conv_out, void *mean, void *variance) {
     auto lock = executor_.Begin();
     const Plan &plan = GetPlan(Direction::kForward, shape);
     memory::desc x_plain, w_plain, y_plain;
     PlainDescs(Direction::kForward, shape, &x_plain, &w_plain, &y_plain);
-    const memory::desc blocked(shape.dst, memory::data_type::f32, tag::aBcd16b);
+    const memory::desc blocked(shape.dst, memory::data_type::f32, BlockedTag());
     memory x_mem = ToLayout(memory(x_plain, engine_, x), plan.first_desc, &buffers_[0]);
     memory w_mem = ToLayout(memory(w_plain, engine_, weights), plan.second_desc, &buffers_[1]);
     memory out_mem(blocked, engine_, conv_out);
@@ -246,7 +261,7 @@ class Runtime {
     auto lock = executor_.Begin();
     memory::desc x_plain, w_plain, y_plain;
     PlainDescs(Direction::kForward, shape, &x_plain, &w_plain, &y_plain);
-    const memory::desc blocked(shape.dst, memory::data_type::f32, tag::aBcd16b);
+    const memory::desc blocked(shape.dst, memory::data_type::f32, BlockedTag());
     const BatchNormPlan &norm = GetBatchNormPlan(shape.dst, eps);
     memory dy_blocked = ToLayout(memory(y_plain, engine_, dy), blocked, &buffers_[4]);
     memory d_conv_out(blocked, engine_, buffers_[5].Get(blocked.get_size()));
@@ -333,12 +348,12 @@ class Runtime {
     memory::desc forward_scratchpad, backward_scratchpad;
   };
 
-  // BatchNorm with scale and shift on the batch's statistics, on 16-channel blocks.
+  // BatchNorm with scale and shift on the batch's statistics, on channel blocks.
   const BatchNormPlan &GetBatchNormPlan(const memory::dims &dims, float eps) {
     auto key = std::make_pair(dims, eps);
     auto found = norms_.find(key);
     if (found != norms_.end()) return found->second;
-    const memory::desc blocked(dims, memory::data_type::f32, tag::aBcd16b);
+    const memory::desc blocked(dims, memory::data_type::f32, BlockedTag());
     const auto flags = dnnl::normalization_flags::use_scale | dnnl::normalization_flags::use_shift;
     dnnl::primitive_attr attr;
     attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
@@ -410,11 +425,12 @@ class Runtime {
 enum class PostOp { kNone, kRelu, kAddRelu };
 
 // Memory layouts of inference activations, as Python numbers them. MindSpore sees an NHWC tensor as (N, H, W, C)
-// and the other two as (N, C, H, W); a blocked tensor (nChw16c) is that many floats in 16-channel blocks.
-enum class Layout : int64_t { kNhwc = 0, kNchw = 1, kBlocked16 = 2 };
+// and the other two as (N, C, H, W); a blocked tensor (nChw16c or nChw8c) is that many floats in channel blocks
+// of ChannelBlock().
+enum class Layout : int64_t { kNhwc = 0, kNchw = 1, kBlocked = 2 };
 
 tag LayoutTag(Layout layout) {
-  return layout == Layout::kNhwc ? tag::nhwc : layout == Layout::kNchw ? tag::nchw : tag::aBcd16b;
+  return layout == Layout::kNhwc ? tag::nhwc : layout == Layout::kNchw ? tag::nchw : BlockedTag();
 }
 
 struct InferenceShape {
@@ -620,8 +636,8 @@ int LaunchConvBnForward(int stride, int padding, int nparam, void **params, int 
                                        "float32", "float32", "float32", "float32"};
   if (!CheckTensors(what, nparam, 9, ndims, dtypes, wanted_ndims, wanted_dtypes)) return 1;
   Shape shape{Dims(shapes[0]), Dims(shapes[1]), Dims(shapes[5]), {stride, stride}, {padding, padding}};
-  if (shape.dst[1] % 16 != 0) {
-    std::fprintf(stderr, "%s: needs output channels in multiples of 16, got %lld\n", what,
+  if (shape.dst[1] % ChannelBlock() != 0) {
+    std::fprintf(stderr, "%s: needs output channels in multiples of %d, got %lld\n", what, ChannelBlock(),
                  static_cast<long long>(shape.dst[1]));
     return 1;
   }
@@ -649,16 +665,16 @@ int LaunchConvBnBackward(int stride, int padding, int nparam, void **params, int
 }
 
 // A layout number from Python, checked; false (with a message) when it is none or when the tensor's channels
-// don't fill whole 16-channel blocks.
+// don't fill whole channel blocks.
 bool ReadLayout(const char *what, int64_t number, int64_t *shape, Layout *layout) {
-  if (number < 0 || number > static_cast<int64_t>(Layout::kBlocked16)) {
+  if (number < 0 || number > static_cast<int64_t>(Layout::kBlocked)) {
     std::fprintf(stderr, "%s: unknown layout %lld\n", what, static_cast<long long>(number));
     return false;
   }
   *layout = static_cast<Layout>(number);
-  if (*layout == Layout::kBlocked16 && shape[1] % 16 != 0) {
-    std::fprintf(stderr, "%s: the blocked layout needs channels in multiples of 16, got %lld\n", what,
-                 static_cast<long long>(shape[1]));
+  if (*layout == Layout::kBlocked && shape[1] % ChannelBlock() != 0) {
+    std::fprintf(stderr, "%s: the blocked layout needs channels in multiples of %d, got %lld\n", what,
+                 ChannelBlock(), static_cast<long long>(shape[1]));
     return false;
   }
   return true;
@@ -790,6 +806,9 @@ extern "C" int onednn_conv_set_threads(int threads) {
   if (threads > 0) requested_threads.store(threads);
   return ThreadCount();
 }
+
+// The channel block of the blocked layouts (16 or 8), for Python's shapes and fallbacks.
+extern "C" int onednn_conv_channel_block() { return ChannelBlock(); }
 
 // Lets Python check that the loaded library was built from the source it is next to.
 extern "C" const char *onednn_conv_source_digest() { return ONEDNN_CONV_SOURCE_DIGEST; }

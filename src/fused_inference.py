@@ -4,9 +4,9 @@
 - each BatchNorm is folded into the convolution before it (its running statistics, as inference uses them):
   weights * gamma / sqrt(var + eps), bias beta - mean * gamma / sqrt(var + eps), computed in float64;
 - ReLU and the residual addition run inside the convolution as oneDNN post-ops;
-- activations stay in one layout from layer to layer, so nothing is reordered between layers: nChw16c (16-channel
-  blocks, oneDNN's direct jit kernels), or NHWC (its brgemm kernels) when the channels don't come in multiples
-  of 16 or when asked for (LAYOUT_CHOICES); the global average pool reads that layout;
+- activations stay in one layout from layer to layer, so nothing is reordered between layers: channel blocks
+  (nChw16c, or nChw8c without AVX-512: oneDNN's direct jit kernels), or NHWC (its brgemm kernels) when the
+  channels don't fill whole blocks or when asked for (LAYOUT_CHOICES); the global average pool reads that layout;
 - each layer's weights are reordered into the kernel's layout once per update instead of at every call.
 It computes what the ResNet computes in inference mode, up to float rounding (tests/test_fused_inference.py).
 
@@ -21,15 +21,15 @@ import numpy as np
 import mindspore as ms
 from mindspore import nn, ops
 
-from src.onednn_conv import BlockedConv2d, usable_library
+from src.onednn_conv import BlockedConv2d, channel_block, usable_library
 from src.resnet import BasicBlock, Bottleneck, ResNet
 
 # Activation layouts, numbered as native/onednn_conv.cc's Layout. MindSpore sees NHWC tensors as (N, H, W, C),
-# NCHW and BLOCKED16 (nChw16c: the same floats in 16-channel blocks) as (N, C, H, W).
-NHWC, NCHW, BLOCKED16 = 0, 1, 2
-# FusedResNet's layout choices. auto: BLOCKED16 when every layer's channels fill 16-channel blocks, else NHWC.
+# NCHW and BLOCKED (nChw16c or nChw8c: the same floats in blocks of channel_block() channels) as (N, C, H, W).
+NHWC, NCHW, BLOCKED = 0, 1, 2
+# FusedResNet's layout choices. auto: BLOCKED when every layer's channels fill whole blocks, else NHWC.
 # ResNet-50 inference, batch 32, 2 threads (python benchmark.py --modes eval --sizes 32,64,112,224
-# --inference_network fused-blocked, then fused-nhwc): BLOCKED16 ran 7 % faster at 32x32 and 40 % at 64x64,
+# --inference_network fused-blocked, then fused-nhwc): BLOCKED ran 7 % faster at 32x32 and 40 % at 64x64,
 # and the two were within the machine's noise at 112x112 and 224x224.
 LAYOUT_CHOICES = ("auto", "blocked", "nhwc")
 
@@ -96,16 +96,16 @@ def fold_batchnorm(conv: nn.Conv2d, bn: nn.BatchNorm2d) -> Tuple[np.ndarray, np.
 class FusedConv(nn.Cell):
     """Convolution + folded BatchNorm + post-op (None, Relu, or AddRelu: residual addition, then ReLU).
 
-    construct(x, blocked): NHWC in and out, or with blocked True BLOCKED16 out from BLOCKED16 in (blocked_input:
+    construct(x, blocked): NHWC in and out, or with blocked True BLOCKED out from BLOCKED in (blocked_input:
     the layout its input has then; the stem's is the NCHW images)."""
 
-    def __init__(self, conv: BlockedConv2d, post: str, blocked_input: int = BLOCKED16) -> None:
+    def __init__(self, conv: BlockedConv2d, post: str, blocked_input: int = BLOCKED) -> None:
         super().__init__()
         self.post = post
         self.nhwc_op = _convolution_op(post, conv.blocked_stride, conv.blocked_padding, NHWC, NHWC)
         self.nhwc_layouts = _layouts(NHWC, NHWC)
-        self.blocked_op = _convolution_op(post, conv.blocked_stride, conv.blocked_padding, blocked_input, BLOCKED16)
-        self.blocked_layouts = _layouts(blocked_input, BLOCKED16)
+        self.blocked_op = _convolution_op(post, conv.blocked_stride, conv.blocked_padding, blocked_input, BLOCKED)
+        self.blocked_layouts = _layouts(blocked_input, BLOCKED)
         self.weight = ms.Parameter(ms.Tensor(np.zeros(conv.weight.shape, np.float32)), name="weight",
                                    requires_grad=False)
         self.bias = ms.Parameter(ms.Tensor(np.zeros(conv.weight.shape[0], np.float32)), name="bias",
@@ -174,12 +174,12 @@ class FusedBlock(nn.Cell):
 
 
 class StemPool(nn.Cell):
-    """ResNet's stem max pool (kernel 3, stride 2, padding 1) on NHWC, or with blocked True on BLOCKED16."""
+    """ResNet's stem max pool (kernel 3, stride 2, padding 1) on NHWC, or with blocked True on BLOCKED."""
 
     def __init__(self) -> None:
         super().__init__()
         self.nhwc_op, self.nhwc_layout = _stem_pool_op(NHWC), _layouts(NHWC)
-        self.blocked_op, self.blocked_layout = _stem_pool_op(BLOCKED16), _layouts(BLOCKED16)
+        self.blocked_op, self.blocked_layout = _stem_pool_op(BLOCKED), _layouts(BLOCKED)
 
     def construct(self, x, blocked):
         if blocked:
@@ -200,11 +200,13 @@ class FusedResNet(nn.Cell):
         self.maxpool = StemPool()
         self.layers = nn.CellList([FusedBlock(block) for layer in (net.layer1, net.layer2, net.layer3, net.layer4)
                                    for block in layer])
-        # BLOCKED16 needs whole 16-channel blocks after every layer (true of torchvision's ResNets).
-        self.blocked_usable = all(cell.out_channels % 16 == 0 for _, cell in net.cells_and_names()
+        # BLOCKED needs whole channel blocks after every layer (true of torchvision's ResNets).
+        self.block = channel_block()
+        self.blocked_usable = all(cell.out_channels % self.block == 0 for _, cell in net.cells_and_names()
                                   if isinstance(cell, nn.Conv2d))
         if layout == "blocked" and not self.blocked_usable:
-            raise ValueError("layout 'blocked' needs every convolution's output channels in multiples of 16")
+            raise ValueError(f"layout 'blocked' needs every convolution's output channels in multiples of "
+                             f"{self.block}")
         self.layout = layout
         self.runs_blocked = layout == "blocked" or (layout == "auto" and self.blocked_usable)
         self.fc = nn.Dense(net.fc.in_channels, net.fc.out_channels)
@@ -229,9 +231,10 @@ class FusedResNet(nn.Cell):
         x = self.maxpool(self.conv1(x, blocked), blocked)
         for block in self.layers:
             x = block(x, blocked)
-        if blocked:  # (N, C, H, W) holding N, C/16, H, W, 16
+        if blocked:  # (N, C, H, W) holding N, C/block, H, W, block
             _, c, h, w = x.shape
-            return self.fc(x.reshape(n, c // 16, h, w, 16).mean(axis=(2, 3)).reshape(n, c))
+            block = self.block
+            return self.fc(x.reshape(n, c // block, h, w, block).mean(axis=(2, 3)).reshape(n, c))
         return self.fc(x.mean(axis=(1, 2)))
 
 

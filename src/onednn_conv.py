@@ -75,6 +75,13 @@ def set_native_threads(threads: int) -> int:
     return int(ctypes.CDLL(usable_library()).onednn_conv_set_threads(int(threads)))
 
 
+@functools.lru_cache(maxsize=None)
+def channel_block() -> int:
+    """Channels per block of the native blocked layouts: 16 where oneDNN runs AVX-512 code, else 8; oneDNN has jit
+    kernels only for its ISA's block. Fixes oneDNN's ISA for the process, so call it after choose_convolutions."""
+    return int(ctypes.CDLL(usable_library()).onednn_conv_channel_block())
+
+
 def resolve_conv_implementation(requested: str, device_target: str) -> Tuple[str, str]:
     """(implementation in use, why): 'auto' takes onednn_blocked on CPU when the library is usable."""
     if requested not in CHOICES["conv_implementation"]:
@@ -129,7 +136,7 @@ def _forward_op(stride: int, padding: int) -> ops.Custom:
 @functools.lru_cache(maxsize=None)
 def _conv_batchnorm_op(stride: int, padding: int) -> ops.Custom:
     """Convolution then BatchNorm on the batch's statistics in one native call (training), with its gradient op
-    as bprop: (x, weight, gamma, beta, eps) -> (y, the convolution's output in 16-channel blocks, kept for the
+    as bprop: (x, weight, gamma, beta, eps) -> (y, the convolution's output in channel blocks, kept for the
     gradient, batch mean, batch variance (biased))."""
     library = usable_library()
     suffix = f"_s{stride}_p{padding}"
@@ -182,8 +189,8 @@ class BlockedConv2d(nn.Conv2d):
         supported = (self.group == 1 and tuple(dilation) == (1, 1) and stride[0] == stride[1]
                      and stride[0] in SUPPORTED_STRIDES and padding in SUPPORTED_PADDINGS)
         self.blocked_op = _forward_op(stride[0], padding) if supported else None
-        # The fused BatchNorm runs on 16-channel blocks.
-        fusable = supported and not self.has_bias and self.out_channels % 16 == 0
+        # The fused BatchNorm runs on channel blocks.
+        fusable = supported and not self.has_bias and self.out_channels % channel_block() == 0
         self.batchnorm_op = _conv_batchnorm_op(stride[0], padding) if fusable else None
         self.blocked_stride, self.blocked_padding = stride[0], padding  # what the native ops are told
 

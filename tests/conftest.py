@@ -40,6 +40,35 @@ def script_env(extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:
     return env
 
 
+def cpu_has_avx512() -> bool:
+    """Whether oneDNN can run its avx512_core code here: AVX-512 F, CD, BW, VL and DQ."""
+    try:
+        with open("/proc/cpuinfo") as handle:
+            flags = next((line.split(":", 1)[1].split() for line in handle if line.startswith("flags")), [])
+    except OSError:
+        return False
+    return {"avx512f", "avx512cd", "avx512bw", "avx512vl", "avx512dq"} <= set(flags)
+
+
+def native_channel_block(isa: Optional[str]) -> int:
+    """The channel block of the native library's blocked layouts with ONEDNN_MAX_CPU_ISA=isa (None: no cap)."""
+    return 16 if isa is None and cpu_has_avx512() else 8
+
+
+def onednn_exec_log(args: List[str], isa: Optional[str] = None, marker: str = "") -> List[List[str]]:
+    """oneDNN's exec lines, split into fields, from `python ARGS` (from the repository root) with ONEDNN_VERBOSE=1
+    and oneDNN capped at isa (None: no cap); with a marker, only the lines printed after it."""
+    env = {key: value for key, value in script_env().items() if key != "ONEDNN_MAX_CPU_ISA"}
+    env["ONEDNN_VERBOSE"] = "1"
+    if isa:
+        env["ONEDNN_MAX_CPU_ISA"] = isa
+    process = subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True,
+                             timeout=300)
+    assert process.returncode == 0, process.stderr[-3000:]
+    output = process.stdout.split(marker, 1)[1] if marker else process.stdout
+    return [line.split(",") for line in output.splitlines() if line.startswith("onednn_verbose") and ",exec," in line]
+
+
 def run_script(script: str, args: List[str], cwd: Optional[Path] = None, timeout: float = 600,
                env: Optional[Dict[str, str]] = None) -> subprocess.CompletedProcess:
     """Runs python SCRIPT ARGS from the repository root (or cwd) and returns the finished process."""

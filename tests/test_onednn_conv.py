@@ -12,9 +12,10 @@ import pytest
 import mindspore as ms
 from mindspore import nn
 
-from conftest import REPO, assert_one_line_error, rel_diff
+from conftest import (REPO, assert_one_line_error, cpu_has_avx512, native_channel_block, onednn_exec_log, rel_diff,
+                      script_env)
 from src.errors import UserError
-from src.onednn_conv import BlockedConv2d, resolve_conv_implementation
+from src.onednn_conv import BlockedConv2d, channel_block, resolve_conv_implementation
 from src.resnet import conv_bn
 
 
@@ -110,35 +111,27 @@ print(step(ms.Tensor(np.ones((2, 3, 32, 32), np.float32)), ms.Tensor(np.array([1
 """
 
 
-def onednn_log(script: str) -> list:
-    """oneDNN's exec lines, split into fields, from running script with ONEDNN_VERBOSE=1 at the default ISA."""
-    env = {key: value for key, value in os.environ.items() if key != "ONEDNN_MAX_CPU_ISA"}
-    env["ONEDNN_VERBOSE"] = "1"
-    process = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True,
-                             text=True, timeout=300)
-    assert process.returncode == 0, process.stderr[-3000:]
-    return [line.split(",") for line in process.stdout.splitlines()
-            if line.startswith("onednn_verbose") and ",exec," in line]
-
-
-def test_oneDNN_runs_training_batchnorm_on_the_convolutions_blocked_output():
-    """A training step: every BatchNorm runs in oneDNN on 16-channel blocks, forward on batch statistics and
-    backward, and the convolutions' three passes are direct kernels, none through GEMM."""
-    log = onednn_log(TRAIN_VERBOSE_SCRIPT)
+@pytest.mark.parametrize("isa", [None, "AVX2"], ids=["uncapped", "AVX2"])
+def test_oneDNN_runs_training_batchnorm_on_the_convolutions_blocked_output(isa):
+    """A training step: every BatchNorm runs in oneDNN's jit code on channel blocks (16 with AVX-512, else 8),
+    forward on batch statistics and backward, and no convolution pass runs a reference kernel (with AVX-512, none
+    runs GEMM either)."""
+    block = native_channel_block(isa)
+    log = onednn_exec_log(["-c", TRAIN_VERBOSE_SCRIPT], isa)
     norms = [fields for fields in log if fields[5] == "batch_normalization"]
     assert sorted(fields[7] for fields in norms) == ["backward"] * 53 + ["forward_training"] * 53
     for fields in norms:
-        assert "ref" not in fields[6] and "blocked:aBcd16b" in fields[8], fields
+        assert "ref" not in fields[6] and f"blocked:aBcd{block}b:" in fields[8], fields
     convolutions = [fields for fields in log if fields[5] == "convolution"]
     kinds = sorted(fields[7] for fields in convolutions)
     assert kinds == ["backward_data"] * 53 + ["backward_weights"] * 53 + ["forward_training"] * 53
     for fields in convolutions:
-        assert "gemm" not in fields[6] and "ref" not in fields[6], fields
+        assert "ref" not in fields[6] and (block == 8 or "gemm" not in fields[6]), fields
 
 
 def test_oneDNN_runs_the_convolutions_on_blocked_layouts():
     """oneDNN's own log of what ran: every convolution on a blocked layout, none through GEMM."""
-    convolutions = [fields for fields in onednn_log(VERBOSE_SCRIPT) if fields[5] == "convolution"]
+    convolutions = [fields for fields in onednn_exec_log(["-c", VERBOSE_SCRIPT]) if fields[5] == "convolution"]
     assert len(convolutions) == 53  # resnet50's convolutions, one forward each
     for fields in convolutions:
         line = ",".join(fields)
@@ -234,13 +227,13 @@ def test_convolution_with_batchnorm_equals_conv2d_then_batchnorm2d(case, mode):
 
 
 def test_batchnorm_fusion_falls_back_where_it_cannot_run():
-    """In inference mode, and for channels that don't fill 16-channel blocks, conv_bn runs the two cells."""
+    """In inference mode, and for channels that don't fill whole blocks (of 8 or 16), conv_bn runs the two cells."""
     ms.set_context(mode=ms.GRAPH_MODE)
     rng = np.random.default_rng(5)
     x = ms.Tensor(rng.standard_normal((2, 8, 6, 6)).astype(np.float32))
-    odd = BlockedConv2d(8, 8, 3, pad_mode="pad", padding=1, has_bias=False)
+    odd = BlockedConv2d(8, 12, 3, pad_mode="pad", padding=1, has_bias=False)
     assert odd.blocked_op is not None and odd.batchnorm_op is None
-    bn = nn.BatchNorm2d(8)
+    bn = nn.BatchNorm2d(12)
     bn.set_train(True)
     np.testing.assert_array_equal(conv_bn(odd, bn, x).asnumpy(), bn(odd(x)).asnumpy())
     conv = BlockedConv2d(8, 16, 3, pad_mode="pad", padding=1, has_bias=False)
@@ -248,3 +241,26 @@ def test_batchnorm_fusion_falls_back_where_it_cannot_run():
     bn.moving_mean.set_data(ms.Tensor(rng.normal(size=16).astype(np.float32)))
     bn.set_train(False)
     np.testing.assert_array_equal(conv_bn(conv, bn, x).asnumpy(), bn(conv(x)).asnumpy())
+
+
+def test_channel_block_follows_the_isa_in_effect():
+    """16-channel blocks where oneDNN runs AVX-512 code, else 8: its jit kernels exist only for their ISA's block
+    (with 16-channel blocks under an AVX2 cap, BatchNorm and fused inference ran reference kernels)."""
+    capped = os.environ.get("ONEDNN_MAX_CPU_ISA", "ALL").upper() not in ("ALL", "")
+    assert channel_block() == native_channel_block("AVX2" if capped else None)
+
+
+# The in-process tests run under conftest's AVX2 cap, so on 8-channel blocks; these are the numerics tests to rerun
+# uncapped, where an AVX-512 CPU takes 16-channel blocks and other kernels.
+UNCAPPED_TESTS = ["tests/test_onednn_conv.py", "tests/test_fused_inference.py", "-k",
+                  "equal or computes or refresh or keep_their_own or channel_block_follows"]
+
+
+@pytest.mark.skipif(not cpu_has_avx512(), reason="no AVX-512: the in-process tests cover the 8-channel blocks")
+def test_numerics_tests_pass_uncapped_on_16_channel_blocks():
+    process = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *UNCAPPED_TESTS],
+                             cwd=REPO, env=script_env({"ONEDNN_MAX_CPU_ISA": "ALL"}), capture_output=True, text=True,
+                             timeout=600)
+    assert process.returncode == 0, process.stdout[-3000:]
+    summary = process.stdout.strip().splitlines()[-1]
+    assert " passed" in summary and "failed" not in summary and "skipped" not in summary, summary
