@@ -276,27 +276,11 @@ class Runtime {
                                     {DNNL_ARG_SCRATCHPAD, Scratchpad(norm.backward_scratchpad)}});
     // The convolution's gradients, as Run computes them but from d_conv_out, which is already blocked.
     const Plan &data = GetPlan(Direction::kBackwardData, shape);
-    memory dx_user(x_plain, engine_, dx);
-    memory dx_mem = data.result_desc == x_plain
-                        ? dx_user
-                        : memory(data.result_desc, engine_, buffers_[2].Get(data.result_desc.get_size()));
-    data.primitive.execute(stream_,
-                           {{DNNL_ARG_DIFF_DST, ToLayout(d_conv_out, data.first_desc, &buffers_[0])},
-                            {DNNL_ARG_WEIGHTS, ToLayout(memory(w_plain, engine_, weights), data.second_desc, &buffers_[1])},
-                            {DNNL_ARG_DIFF_SRC, dx_mem},
-                            {DNNL_ARG_SCRATCHPAD, Scratchpad(data.scratchpad_desc)}});
-    if (dx_mem.get_data_handle() != dx) dnnl::reorder(dx_mem, dx_user).execute(stream_, dx_mem, dx_user);
+    Execute(data, ToLayout(d_conv_out, data.first_desc, &buffers_[0]),
+            ToLayout(memory(w_plain, engine_, weights), data.second_desc, &buffers_[1]), x_plain, dx);
     const Plan &filter = GetPlan(Direction::kBackwardWeights, shape);
-    memory dw_user(w_plain, engine_, dw);
-    memory dw_mem = filter.result_desc == w_plain
-                        ? dw_user
-                        : memory(filter.result_desc, engine_, buffers_[2].Get(filter.result_desc.get_size()));
-    filter.primitive.execute(stream_,
-                             {{DNNL_ARG_DIFF_DST, ToLayout(d_conv_out, filter.first_desc, &buffers_[0])},
-                              {DNNL_ARG_SRC, ToLayout(memory(x_plain, engine_, x), filter.second_desc, &buffers_[1])},
-                              {DNNL_ARG_DIFF_WEIGHTS, dw_mem},
-                              {DNNL_ARG_SCRATCHPAD, Scratchpad(filter.scratchpad_desc)}});
-    if (dw_mem.get_data_handle() != dw) dnnl::reorder(dw_mem, dw_user).execute(stream_, dw_mem, dw_user);
+    Execute(filter, ToLayout(d_conv_out, filter.first_desc, &buffers_[0]),
+            ToLayout(memory(x_plain, engine_, x), filter.second_desc, &buffers_[1]), w_plain, dw);
     stream_.wait();
   }
 
@@ -307,24 +291,28 @@ class Runtime {
     const Plan &plan = GetPlan(direction, shape);
     memory::desc first_plain, second_plain, result_plain;
     PlainDescs(direction, shape, &first_plain, &second_plain, &result_plain);
-    memory first_mem = ToLayout(memory(first_plain, engine_, first), plan.first_desc, &buffers_[0]);
-    memory second_mem = ToLayout(memory(second_plain, engine_, second), plan.second_desc, &buffers_[1]);
-    memory result_user(result_plain, engine_, result);
-    memory result_mem = plan.result_desc == result_plain
-                            ? result_user
-                            : memory(plan.result_desc, engine_, buffers_[2].Get(plan.result_desc.get_size()));
-    memory scratchpad(plan.scratchpad_desc, engine_, buffers_[3].Get(plan.scratchpad_desc.get_size()));
-    plan.primitive.execute(stream_, {{plan.first_arg, first_mem},
-                                     {plan.second_arg, second_mem},
-                                     {plan.result_arg, result_mem},
-                                     {DNNL_ARG_SCRATCHPAD, scratchpad}});
-    if (result_mem.get_data_handle() != result_user.get_data_handle()) {
-      dnnl::reorder(result_mem, result_user).execute(stream_, result_mem, result_user);
-    }
+    Execute(plan, ToLayout(memory(first_plain, engine_, first), plan.first_desc, &buffers_[0]),
+            ToLayout(memory(second_plain, engine_, second), plan.second_desc, &buffers_[1]), result_plain, result);
     stream_.wait();
   }
 
  private:
+  // Runs plan on inputs already in its layouts and leaves its result in the user's plain buffer.
+  void Execute(const Plan &plan, const memory &first, const memory &second, const memory::desc &result_plain,
+               void *result) {
+    memory result_user(result_plain, engine_, result);
+    memory result_mem = plan.result_desc == result_plain
+                            ? result_user
+                            : memory(plan.result_desc, engine_, buffers_[2].Get(plan.result_desc.get_size()));
+    plan.primitive.execute(stream_, {{plan.first_arg, first},
+                                     {plan.second_arg, second},
+                                     {plan.result_arg, result_mem},
+                                     {DNNL_ARG_SCRATCHPAD, Scratchpad(plan.scratchpad_desc)}});
+    if (result_mem.get_data_handle() != result) {
+      dnnl::reorder(result_mem, result_user).execute(stream_, result_mem, result_user);
+    }
+  }
+
   Runtime()
       : executor_(Executor::Get()), engine_(executor_.engine), stream_(executor_.stream) {}
 
