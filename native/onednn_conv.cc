@@ -615,28 +615,44 @@ int Launch(Direction direction, int stride, int padding, int nparam, void **para
   return Guarded("onednn_conv", [&] { Runtime::Get().Run(direction, shape, first, second, params[nparam - 1]); });
 }
 
-// params: x, weights, gamma, beta, eps (1 number), then the outputs y, conv_out, mean, variance; all float32.
+// params: x, weights, gamma, beta, moving mean, moving variance, (eps, momentum), then the outputs y, conv_out,
+// batch mean, batch variance (biased), new moving mean, new moving variance; all float32. The moving statistics
+// are updated as nn.BatchNorm2d updates them (momentum: the batch's weight; the unbiased batch variance), here
+// rather than in the graph, where they took seven small ops per BatchNorm.
 int LaunchConvBnForward(int stride, int padding, int nparam, void **params, int *ndims, int64_t **shapes,
                         const char **dtypes) {
   const char *what = "onednn_conv conv+batchnorm";
-  const int wanted_ndims[] = {4, 4, 1, 1, 1, 4, 4, 1, 1};
-  const char *const wanted_dtypes[] = {"float32", "float32", "float32", "float32", "float32",
-                                       "float32", "float32", "float32", "float32"};
-  if (!CheckTensors(what, nparam, 9, ndims, dtypes, wanted_ndims, wanted_dtypes)) return 1;
-  Shape shape{Dims(shapes[0]), Dims(shapes[1]), Dims(shapes[5]), {stride, stride}, {padding, padding}};
-  if (shape.dst[1] % ChannelBlock() != 0) {
-    std::fprintf(stderr, "%s: needs output channels in multiples of %d, got %lld\n", what, ChannelBlock(),
-                 static_cast<long long>(shape.dst[1]));
+  const int wanted_ndims[] = {4, 4, 1, 1, 1, 1, 1, 4, 4, 1, 1, 1, 1};
+  const char *const wanted_dtypes[] = {"float32", "float32", "float32", "float32", "float32", "float32", "float32",
+                                       "float32", "float32", "float32", "float32", "float32", "float32"};
+  if (!CheckTensors(what, nparam, 13, ndims, dtypes, wanted_ndims, wanted_dtypes)) return 1;
+  Shape shape{Dims(shapes[0]), Dims(shapes[1]), Dims(shapes[7]), {stride, stride}, {padding, padding}};
+  if (shape.dst[1] % ChannelBlock() != 0 || shapes[6][0] != 2) {
+    std::fprintf(stderr, "%s: needs output channels in multiples of %d and (eps, momentum), got %lld and %lld\n",
+                 what, ChannelBlock(), static_cast<long long>(shape.dst[1]), static_cast<long long>(shapes[6][0]));
     return 1;
   }
-  const float eps = *static_cast<const float *>(params[4]);
+  const float *constants = static_cast<const float *>(params[6]);
+  const float eps = constants[0], momentum = constants[1];
   return Guarded(what, [&] {
-    Runtime::Get().ConvBnForward(shape, eps, params[0], params[1], params[2], params[3], params[5], params[6],
-                                 params[7], params[8]);
+    Runtime::Get().ConvBnForward(shape, eps, params[0], params[1], params[2], params[3], params[7], params[8],
+                                 params[9], params[10]);
+    const int64_t count = shape.dst[0] * shape.dst[2] * shape.dst[3];
+    const float unbiased = static_cast<float>(count) / static_cast<float>(std::max<int64_t>(count - 1, 1));
+    const auto *moving_mean = static_cast<const float *>(params[4]);
+    const auto *moving_variance = static_cast<const float *>(params[5]);
+    const auto *mean = static_cast<const float *>(params[9]);
+    const auto *variance = static_cast<const float *>(params[10]);
+    auto *new_mean = static_cast<float *>(params[11]), *new_variance = static_cast<float *>(params[12]);
+    for (int64_t c = 0; c < shape.dst[1]; ++c) {
+      new_mean[c] = moving_mean[c] * (1 - momentum) + mean[c] * momentum;
+      new_variance[c] = moving_variance[c] * (1 - momentum) + variance[c] * unbiased * momentum;
+    }
   });
 }
 
-// params: dy, conv_out, mean, variance, gamma, eps, x, weights, then the outputs dx, dw, dgamma, dbeta.
+// params: dy, conv_out, mean, variance, gamma, (eps, momentum), x, weights, then the outputs dx, dw, dgamma,
+// dbeta.
 int LaunchConvBnBackward(int stride, int padding, int nparam, void **params, int *ndims, int64_t **shapes,
                          const char **dtypes) {
   const char *what = "onednn_conv conv+batchnorm gradient";

@@ -136,12 +136,13 @@ def _forward_op(stride: int, padding: int) -> ops.Custom:
 @functools.lru_cache(maxsize=None)
 def _conv_batchnorm_op(stride: int, padding: int) -> ops.Custom:
     """Convolution then BatchNorm on the batch's statistics in one native call (training), with its gradient op
-    as bprop: (x, weight, gamma, beta, eps) -> (y, the convolution's output in channel blocks, kept for the
-    gradient, batch mean, batch variance (biased))."""
+    as bprop: (x, weight, gamma, beta, moving mean, moving variance, (eps, momentum)) -> (y, the convolution's
+    output in channel blocks, kept for the gradient, batch mean, batch variance (biased), new moving mean, new
+    moving variance)."""
     library = usable_library()
     suffix = f"_s{stride}_p{padding}"
 
-    def backward_shape(dy, conv_out, mean, variance, gamma, eps, x, weight):
+    def backward_shape(dy, conv_out, mean, variance, gamma, constants, x, weight):
         return x, weight, gamma, gamma
 
     def backward_dtype(dy, *others):
@@ -149,18 +150,20 @@ def _conv_batchnorm_op(stride: int, padding: int) -> ops.Custom:
 
     backward = ops.Custom(f"{library}:ConvBnBackward{suffix}", backward_shape, backward_dtype, func_type="aot")
 
-    def output_shape(x_shape, w_shape, gamma_shape, beta_shape, eps_shape):
+    def output_shape(x_shape, w_shape, gamma_shape, *others):
         y_shape = (x_shape[0], w_shape[0], (x_shape[2] + 2 * padding - w_shape[2]) // stride + 1,
                    (x_shape[3] + 2 * padding - w_shape[3]) // stride + 1)
-        return y_shape, y_shape, gamma_shape, gamma_shape
+        return y_shape, y_shape, gamma_shape, gamma_shape, gamma_shape, gamma_shape
 
     def output_dtype(x_dtype, *others):
-        return x_dtype, x_dtype, x_dtype, x_dtype
+        return (x_dtype,) * 6
 
-    def bprop(x, weight, gamma, beta, eps, out, dout):
-        # Only y carries a gradient: conv_out is for this bprop, mean and variance only update moving statistics.
-        dx, dw, dgamma, dbeta = backward(dout[0], out[1], out[2], out[3], gamma, eps, x, weight)
-        return dx, dw, dgamma, dbeta, ops.zeros_like(eps)
+    def bprop(x, weight, gamma, beta, moving_mean, moving_variance, constants, out, dout):
+        # Only y carries a gradient: conv_out, mean and variance are for this bprop, the moving statistics are
+        # assigned.
+        dx, dw, dgamma, dbeta = backward(dout[0], out[1], out[2], out[3], gamma, constants, x, weight)
+        return (dx, dw, dgamma, dbeta, ops.zeros_like(moving_mean), ops.zeros_like(moving_variance),
+                ops.zeros_like(constants))
 
     return ops.Custom(f"{library}:ConvBnForward{suffix}", output_shape, output_dtype, func_type="aot", bprop=bprop)
 
@@ -201,12 +204,11 @@ class BlockedConv2d(nn.Conv2d):
         (nn.BatchNorm2d keeps 1 - its momentum argument there)."""
         if self.batchnorm_op is None or x.dtype != ms.float32 or not bn.training or bn.use_batch_statistics is False:
             return bn(self.construct(x))
-        eps = ms.Tensor([bn.eps], ms.float32)
-        y, _, mean, variance = self.batchnorm_op(x, self.weight, bn.gamma, bn.beta, eps)
-        count = y.shape[0] * y.shape[2] * y.shape[3]
-        unbiased = variance * (count / max(count - 1, 1))
-        ops.assign(bn.moving_mean, bn.moving_mean * (1 - bn.momentum) + mean * bn.momentum)
-        ops.assign(bn.moving_variance, bn.moving_variance * (1 - bn.momentum) + unbiased * bn.momentum)
+        constants = ms.Tensor([bn.eps, bn.momentum], ms.float32)
+        y, _, _, _, moving_mean, moving_variance = self.batchnorm_op(x, self.weight, bn.gamma, bn.beta,
+                                                                     bn.moving_mean, bn.moving_variance, constants)
+        ops.assign(bn.moving_mean, moving_mean)
+        ops.assign(bn.moving_variance, moving_variance)
         return y
 
     def construct(self, x):
