@@ -229,17 +229,9 @@ class Runtime {
     memory::desc x_plain, w_plain, y_plain;
     PlainDescs(Direction::kForward, shape, &x_plain, &w_plain, &y_plain);
     const memory::desc blocked(shape.dst, memory::data_type::f32, BlockedTag());
-    memory x_mem = ToLayout(memory(x_plain, engine_, x), plan.first_desc, &buffers_[0]);
-    memory w_mem = ToLayout(memory(w_plain, engine_, weights), plan.second_desc, &buffers_[1]);
+    Execute(plan, ToLayout(memory(x_plain, engine_, x), plan.first_desc, &buffers_[0]),
+            ToLayout(memory(w_plain, engine_, weights), plan.second_desc, &buffers_[1]), blocked, conv_out);
     memory out_mem(blocked, engine_, conv_out);
-    memory conv_dst = plan.result_desc == blocked
-                          ? out_mem
-                          : memory(plan.result_desc, engine_, buffers_[2].Get(plan.result_desc.get_size()));
-    plan.primitive.execute(stream_, {{DNNL_ARG_SRC, x_mem},
-                                     {DNNL_ARG_WEIGHTS, w_mem},
-                                     {DNNL_ARG_DST, conv_dst},
-                                     {DNNL_ARG_SCRATCHPAD, Scratchpad(plan.scratchpad_desc)}});
-    if (conv_dst.get_data_handle() != conv_out) dnnl::reorder(conv_dst, out_mem).execute(stream_, conv_dst, out_mem);
     const BatchNormPlan &norm = GetBatchNormPlan(shape.dst, eps);
     memory normalized(blocked, engine_, buffers_[4].Get(blocked.get_size()));
     norm.forward.execute(stream_, {{DNNL_ARG_SRC, out_mem},
@@ -297,11 +289,11 @@ class Runtime {
   }
 
  private:
-  // Runs plan on inputs already in its layouts and leaves its result in the user's plain buffer.
-  void Execute(const Plan &plan, const memory &first, const memory &second, const memory::desc &result_plain,
+  // Runs plan on inputs already in its layouts and leaves its result in `result`, laid out as result_desc.
+  void Execute(const Plan &plan, const memory &first, const memory &second, const memory::desc &result_desc,
                void *result) {
-    memory result_user(result_plain, engine_, result);
-    memory result_mem = plan.result_desc == result_plain
+    memory result_user(result_desc, engine_, result);
+    memory result_mem = plan.result_desc == result_desc
                             ? result_user
                             : memory(plan.result_desc, engine_, buffers_[2].Get(plan.result_desc.get_size()));
     plan.primitive.execute(stream_, {{plan.first_arg, first},
