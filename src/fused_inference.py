@@ -94,18 +94,14 @@ def fold_batchnorm(conv: nn.Conv2d, bn: nn.BatchNorm2d) -> Tuple[np.ndarray, np.
 
 
 class FusedConv(nn.Cell):
-    """Convolution + folded BatchNorm + post-op (None, Relu, or AddRelu: residual addition, then ReLU).
+    """Convolution + folded BatchNorm + post-op (None, Relu, or AddRelu: residual addition, then ReLU), from
+    src_layout to dst_layout (the residual has dst_layout)."""
 
-    construct(x, blocked): NHWC in and out, or with blocked True BLOCKED out from BLOCKED in (blocked_input:
-    the layout its input has then; the stem's is the NCHW images)."""
-
-    def __init__(self, conv: BlockedConv2d, post: str, blocked_input: int = BLOCKED) -> None:
+    def __init__(self, conv: BlockedConv2d, post: str, src_layout: int, dst_layout: int) -> None:
         super().__init__()
         self.post = post
-        self.nhwc_op = _convolution_op(post, conv.blocked_stride, conv.blocked_padding, NHWC, NHWC)
-        self.nhwc_layouts = _layouts(NHWC, NHWC)
-        self.blocked_op = _convolution_op(post, conv.blocked_stride, conv.blocked_padding, blocked_input, BLOCKED)
-        self.blocked_layouts = _layouts(blocked_input, BLOCKED)
+        self.op = _convolution_op(post, conv.blocked_stride, conv.blocked_padding, src_layout, dst_layout)
+        self.layouts = _layouts(src_layout, dst_layout)
         self.weight = ms.Parameter(ms.Tensor(np.zeros(conv.weight.shape, np.float32)), name="weight",
                                    requires_grad=False)
         self.bias = ms.Parameter(ms.Tensor(np.zeros(conv.weight.shape[0], np.float32)), name="bias",
@@ -120,22 +116,18 @@ class FusedConv(nn.Cell):
         self.bias.set_data(ms.Tensor(bias))
         self.weights_key.set_data(ms.Tensor(np.array([self.layer, version], np.int64)))
 
-    def construct(self, x, blocked):
-        if blocked:
-            return self.blocked_op(x, self.weight, self.weights_key, self.blocked_layouts, self.bias)
-        return self.nhwc_op(x, self.weight, self.weights_key, self.nhwc_layouts, self.bias)
+    def construct(self, x):
+        return self.op(x, self.weight, self.weights_key, self.layouts, self.bias)
 
 
 class FusedConvAdd(FusedConv):
-    """The last convolution of a residual block: relu(bn(conv(x)) + residual), residual in the output's layout."""
+    """The last convolution of a residual block: relu(bn(conv(x)) + residual)."""
 
-    def __init__(self, conv: BlockedConv2d) -> None:
-        super().__init__(conv, "AddRelu")
+    def __init__(self, conv: BlockedConv2d, layout: int) -> None:
+        super().__init__(conv, "AddRelu", layout, layout)
 
-    def construct(self, x, residual, blocked):
-        if blocked:
-            return self.blocked_op(x, self.weight, self.weights_key, self.blocked_layouts, self.bias, residual)
-        return self.nhwc_op(x, self.weight, self.weights_key, self.nhwc_layouts, self.bias, residual)
+    def construct(self, x, residual):
+        return self.op(x, self.weight, self.weights_key, self.layouts, self.bias, residual)
 
 
 def _block_pairs(block: nn.Cell) -> List[Tuple[nn.Conv2d, nn.BatchNorm2d]]:
@@ -146,15 +138,16 @@ def _block_pairs(block: nn.Cell) -> List[Tuple[nn.Conv2d, nn.BatchNorm2d]]:
 
 
 class FusedBlock(nn.Cell):
-    """A residual block: ReLU convolutions, then the one that adds the shortcut (itself a convolution or x)."""
+    """A residual block: ReLU convolutions, then the one that adds the shortcut (itself a convolution or x); all
+    activations in layout."""
 
-    def __init__(self, block: nn.Cell) -> None:
+    def __init__(self, block: nn.Cell, layout: int) -> None:
         super().__init__()
         pairs = _block_pairs(block)
-        self.convs = nn.CellList([FusedConv(conv, "Relu") for conv, _ in pairs[:-1]])
-        self.last = FusedConvAdd(pairs[-1][0])
+        self.convs = nn.CellList([FusedConv(conv, "Relu", layout, layout) for conv, _ in pairs[:-1]])
+        self.last = FusedConvAdd(pairs[-1][0], layout)
         self.has_downsample = block.downsample is not None
-        self.downsample = FusedConv(block.downsample[0], "None") if self.has_downsample else None
+        self.downsample = FusedConv(block.downsample[0], "None", layout, layout) if self.has_downsample else None
 
     def load(self, block: nn.Cell, version: int) -> None:
         pairs = _block_pairs(block)
@@ -163,28 +156,14 @@ class FusedBlock(nn.Cell):
         if self.has_downsample:
             self.downsample.load(block.downsample[0], block.downsample[1], version)
 
-    def construct(self, x, blocked):
+    def construct(self, x):
         identity = x
         if self.has_downsample:
-            identity = self.downsample(x, blocked)
+            identity = self.downsample(x)
         out = x
         for conv in self.convs:
-            out = conv(out, blocked)
-        return self.last(out, identity, blocked)
-
-
-class StemPool(nn.Cell):
-    """ResNet's stem max pool (kernel 3, stride 2, padding 1) on NHWC, or with blocked True on BLOCKED."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.nhwc_op, self.nhwc_layout = _stem_pool_op(NHWC), _layouts(NHWC)
-        self.blocked_op, self.blocked_layout = _stem_pool_op(BLOCKED), _layouts(BLOCKED)
-
-    def construct(self, x, blocked):
-        if blocked:
-            return self.blocked_op(x, self.blocked_layout)
-        return self.nhwc_op(x, self.nhwc_layout)
+            out = conv(out)
+        return self.last(out, identity)
 
 
 class FusedResNet(nn.Cell):
@@ -196,19 +175,21 @@ class FusedResNet(nn.Cell):
         super().__init__()
         if layout not in LAYOUT_CHOICES:
             raise ValueError(f"layout {layout!r} is not one of {', '.join(LAYOUT_CHOICES)}")
-        self.conv1 = FusedConv(net.conv1, "Relu", blocked_input=NCHW)
-        self.maxpool = StemPool()
-        self.layers = nn.CellList([FusedBlock(block) for layer in (net.layer1, net.layer2, net.layer3, net.layer4)
-                                   for block in layer])
         # BLOCKED needs whole channel blocks after every layer (true of torchvision's ResNets).
         self.block = channel_block()
-        self.blocked_usable = all(cell.out_channels % self.block == 0 for _, cell in net.cells_and_names()
-                                  if isinstance(cell, nn.Conv2d))
-        if layout == "blocked" and not self.blocked_usable:
+        blocked_usable = all(cell.out_channels % self.block == 0 for _, cell in net.cells_and_names()
+                             if isinstance(cell, nn.Conv2d))
+        if layout == "blocked" and not blocked_usable:
             raise ValueError(f"layout 'blocked' needs every convolution's output channels in multiples of "
                              f"{self.block}")
-        self.layout = layout
-        self.runs_blocked = layout == "blocked" or (layout == "auto" and self.blocked_usable)
+        self.runs_blocked = layout == "blocked" or (layout == "auto" and blocked_usable)
+        activations = BLOCKED if self.runs_blocked else NHWC
+        # The stem reads the NCHW images itself on the blocked layout; for NHWC construct transposes them.
+        self.conv1 = FusedConv(net.conv1, "Relu", NCHW if self.runs_blocked else NHWC, activations)
+        self.maxpool, self.maxpool_layout = _stem_pool_op(activations), _layouts(activations)
+        self.layers = nn.SequentialCell([FusedBlock(block, activations)
+                                         for layer in (net.layer1, net.layer2, net.layer3, net.layer4)
+                                         for block in layer])
         self.fc = nn.Dense(net.fc.in_channels, net.fc.out_channels)
         self.load_from(net)
         self.set_train(False)
@@ -225,13 +206,10 @@ class FusedResNet(nn.Cell):
 
     def construct(self, x):
         n = x.shape[0]
-        blocked = self.runs_blocked  # a constant: the graph keeps one path
-        if not blocked:
+        if not self.runs_blocked:  # a constant: the graph keeps one path
             x = ops.transpose(x, (0, 2, 3, 1))
-        x = self.maxpool(self.conv1(x, blocked), blocked)
-        for block in self.layers:
-            x = block(x, blocked)
-        if blocked:  # (N, C, H, W) holding N, C/block, H, W, block
+        x = self.layers(self.maxpool(self.conv1(x), self.maxpool_layout))
+        if self.runs_blocked:  # (N, C, H, W) holding N, C/block, H, W, block
             _, c, h, w = x.shape
             block = self.block
             return self.fc(x.reshape(n, c // block, h, w, block).mean(axis=(2, 3)).reshape(n, c))
