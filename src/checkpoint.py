@@ -16,6 +16,7 @@ from mindspore import nn
 
 from src.checkpoint_formats import (FORMAT_TITLES, OURS, TORCH, ZOO, NameMatch, known_differences, match_names,
                                     zoo_bn_eps)
+from src.ckpt_reader import read_ckpt
 from src.errors import UserError
 from src.file_hash import file_digest
 from src.resnet import ARCHITECTURES, BN_EPS, Bottleneck
@@ -113,11 +114,7 @@ def read_checkpoint(path: str, sha256: str = "") -> Dict[str, Any]:
     if file.stat().st_size == 0:
         raise UserError(f"checkpoint {file} is empty (0 bytes): the write was interrupted; use another checkpoint")
     verify_sha256(file, sha256)
-    try:
-        entries = ms.load_checkpoint(str(file), crc_check=True)
-    except (ValueError, RuntimeError, TypeError):
-        raise UserError(f"checkpoint {file} is damaged or not a MindSpore checkpoint (it does not parse or its CRC "
-                        "does not match); use another copy or a .ckpt written by train.py") from None
+    entries = read_ckpt(file)  # not ms.load_checkpoint: it refuses files larger than MemFree (src/ckpt_reader.py)
     if not entries:
         raise UserError(f"checkpoint {file} holds no parameters; use a .ckpt written by train.py")
     return entries

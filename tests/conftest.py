@@ -1,9 +1,16 @@
-"""Shared fixtures: a generated CIFAR-format dataset and a runner for the top-level scripts."""
+"""Shared fixtures: a generated CIFAR-format dataset, a runner for the top-level scripts, and the suite's memory
+keeping (each module's freed memory given back; heavy measurements in a process of their own)."""
+import contextlib
+import ctypes
+import fcntl
+import gc
+import multiprocessing
+import tempfile
 import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional
 
 # In-process tests run MindSpore's own convolutions, which need oneDNN capped at AVX2 on AVX-512 machines
 # (see README); set before MindSpore runs a conv. Scripts the tests start choose for themselves (script_env).
@@ -12,12 +19,52 @@ ISA_SET_BY_TESTS = "ONEDNN_MAX_CPU_ISA" not in os.environ or os.environ.get("TES
 if ISA_SET_BY_TESTS:
     os.environ.update(ONEDNN_MAX_CPU_ISA="AVX2", TESTS_SET_ONEDNN_ISA="1")
 
+# Importing src sets GLOG_v for this process (src/__init__.py); scripts the tests start must set it themselves.
+GLOG_SET_BY_USER = "GLOG_v" in os.environ
+
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def give_freed_memory_back():
+    """After each module, hands the memory its tests freed back to the system. glibc keeps freed blocks in its
+    per-thread arenas, and MindSpore's many threads spread them over many: without this a test process holds
+    what its biggest module ever used (5 GB after test_checkpoint_formats, 1.3 GB after trimming), next to the
+    other process's and the launchers' workers."""
+    yield
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to trim
+        pass
+
+
+@contextlib.contextmanager
+def memory_heavy() -> Iterator[None]:
+    """Runs its block while no other test process of this run is inside such a block: the parts of the suite
+    that need several GB at once (msrun jobs, the deep parity networks, the filled page cache) take turns, so
+    that the two test processes together stay well inside the machine's memory."""
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID", str(os.getpid()))
+    with open(Path(tempfile.gettempdir()) / f"resnet-tests-{run}.memory.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def in_fresh_process(function: Callable[..., Any], *args: Any) -> Any:
+    """function(*args) run in a new Python process, its result returned. MindSpore keeps compiled graphs and
+    their memory for the life of a process, so measurements that build many networks (the torchvision parity
+    of ResNet-18..152: up to 6 GB) run where that memory goes back when they end, one at a time."""
+    with memory_heavy(), multiprocessing.get_context("spawn").Pool(1) as pool:
+        return pool.apply(function, args)
+
 
 # Small, fast settings for end-to-end runs: 32x32 input, few images.
 FAST_ARGS = ["--image_height", "32", "--image_width", "32", "--num_parallel_workers", "2", "--log_interval", "1"]
@@ -31,11 +78,14 @@ def cifar_dir(tmp_path_factory) -> Path:
 
 
 def script_env(extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:
-    """The environment for a script a test starts: this one, without the ISA cap the tests set for themselves."""
+    """The environment for a script a test starts: this one, without the ISA cap the tests set for themselves
+    and the GLOG_v their import of src set."""
     env = dict(os.environ)
     if ISA_SET_BY_TESTS:
         env.pop("ONEDNN_MAX_CPU_ISA", None)
         env.pop("TESTS_SET_ONEDNN_ISA", None)
+    if not GLOG_SET_BY_USER:
+        env.pop("GLOG_v", None)
     env.update(extra or {})
     return env
 
@@ -96,6 +146,13 @@ def one_line_user_error(excinfo, *fragments: str) -> str:
     for fragment in fragments:
         assert fragment in message, (fragment, message)
     return message
+
+
+def read_ckpt_entries(path) -> dict:
+    """Every entry of a .ckpt, read the way the project reads them: mindspore.load_checkpoint refuses files larger
+    than MemFree, so the suite would depend on how full the page cache is (src/ckpt_reader.py)."""
+    from src.ckpt_reader import read_ckpt
+    return read_ckpt(Path(path))
 
 
 def flip_one_byte(data: bytes) -> bytes:

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import assert_one_line_error, run_script
+from conftest import assert_one_line_error, read_ckpt_entries, run_script
 
 SMALL = ["--model_name", "resnet18", "--image_height", "32", "--image_width", "32"]
 
@@ -35,7 +35,7 @@ def network_from(checkpoint: Path, model_name: str = "resnet18"):
     import mindspore as ms
     from src.resnet import build_resnet
     net = build_resnet(model_name, 10)
-    ms.load_param_into_net(net, ms.load_checkpoint(str(checkpoint)), strict_load=True)
+    ms.load_param_into_net(net, read_ckpt_entries(checkpoint), strict_load=True)
     net.set_train(False)
     return net
 

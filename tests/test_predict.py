@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import assert_one_line_error, run_script
+from conftest import assert_one_line_error, read_ckpt_entries, run_script
 from test_export import make_checkpoint, network_from
 
 SMALL = ["--model_name", "resnet18", "--image_height", "32", "--image_width", "32"]
@@ -208,10 +208,9 @@ def test_mindir_classifier_feeds_the_batch_the_file_takes(images, reference_net,
 def test_pth_checkpoint(images, checkpoint, reference_net, tmp_path):
     """A PyTorch state_dict with torchvision's names, read through load_weights."""
     torch = pytest.importorskip("torch")
-    import mindspore as ms
     from src.torch_convert import mindspore_to_torch_name
     state = {mindspore_to_torch_name(name): torch.from_numpy(value.asnumpy())
-             for name, value in ms.load_checkpoint(str(checkpoint)).items()}
+             for name, value in read_ckpt_entries(checkpoint).items()}
     pth = tmp_path / "r18.pth"
     torch.save(state, pth)
     process = run_script("predict.py", ["--checkpoint_path", str(pth), *SMALL, str(images["colour.png"][0])])

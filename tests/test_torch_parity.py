@@ -39,7 +39,7 @@ from mindspore.nn.utils import no_init_parameters
 torch = pytest.importorskip("torch")
 torchvision = pytest.importorskip("torchvision")
 
-from conftest import randomise_batchnorm, rel_diff
+from conftest import in_fresh_process, randomise_batchnorm, read_ckpt_entries, rel_diff
 from src.resnet import build_resnet
 from src.torch_convert import convert_pth_to_ckpt, mindspore_to_torch_name
 
@@ -197,7 +197,7 @@ def measure(depth: str, folder, conv_implementation: str = "mindspore") -> Parit
     convert_pth_to_ckpt(str(pth), str(ckpt))
     with no_init_parameters():  # every parameter comes from the .ckpt
         net = build_resnet(depth, NUM_CLASSES, conv_implementation=conv_implementation)
-    not_loaded, _ = ms.load_param_into_net(net, ms.load_checkpoint(str(ckpt)), strict_load=True)
+    not_loaded, _ = ms.load_param_into_net(net, read_ckpt_entries(ckpt), strict_load=True)
     assert not not_loaded, not_loaded
     pth.unlink()
     ckpt.unlink()
@@ -326,7 +326,7 @@ CASES = [(depth, "mindspore") for depth in DEPTHS] + [("resnet18", "onednn_block
 @pytest.fixture(scope="module", params=CASES, ids=lambda case: case[0] if case[1] == "mindspore" else "-".join(case))
 def parity(request, tmp_path_factory) -> Parity:
     depth, conv_implementation = request.param
-    result = measure(depth, tmp_path_factory.mktemp(depth), conv_implementation)
+    result = in_fresh_process(measure, depth, tmp_path_factory.mktemp(depth), conv_implementation)
     MEASURED[depth if conv_implementation == "mindspore" else f"{depth} ({conv_implementation})"] = {
         "eval logits rel": result.eval_rel,
         "train logits rel vs torch f32": result.train_logits_rel,
