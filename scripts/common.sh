@@ -4,6 +4,9 @@
 # Sourced, not run.
 
 REPO_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+# MindSpore's C++ log at errors only (it warns about 160 times while compiling a training step), unless the
+# user chose a level; exported, so msrun and its workers get it before they import MindSpore.
+export GLOG_v="${GLOG_v:-3}"
 
 die() {
     echo "error: $*" >&2
@@ -55,12 +58,15 @@ config_value() {
     PYTHONPATH="$REPO_DIR${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON_BIN" -m src.model_utils.config "$key" "$@" || exit 2
 }
 
-# A directory whose `python` is PYTHON_BIN, put first on PATH: msrun starts workers with the bare word.
+# A directory whose `python` runs PYTHON_BIN, put first on PATH: msrun starts workers with the bare word.
+# It is a script that execs PYTHON_BIN, not a symlink: Python finds its virtualenv from the pyvenv.cfg beside
+# the path it was started by, so a symlink to venv/bin/python elsewhere starts the base interpreter.
 # shellcheck disable=SC2034  # SHIM_DIR is removed by the launcher's exit trap
 put_python_first_on_path() {
     local shim_dir
     shim_dir="$(mktemp -d)"
-    ln -s "$PYTHON_BIN" "$shim_dir/python"
+    printf '#!%s\nexec %q "$@"\n' "$BASH" "$PYTHON_BIN" > "$shim_dir/python"
+    chmod +x "$shim_dir/python"
     export PATH="$shim_dir:$PATH"
     SHIM_DIR="$shim_dir"
 }

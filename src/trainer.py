@@ -4,6 +4,7 @@ import hashlib
 import logging
 import math
 import signal
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -221,6 +222,7 @@ class Trainer:
 
     def run(self) -> TrainingState:
         config, state = self.config, self.state
+        self.logger.info("python %s, MindSpore %s", sys.executable, ms.__version__)
         self.logger.info("training %s (%d classes) for %d epochs of %d steps, batch %d x %d device(s), %s, "
                          "%s optimizer, lr %g (%s)", config.model_name, config.class_num, config.epoch_size,
                          self.steps_per_epoch, config.batch_size, self.env.group_size, self.env.device_target,

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import FAST_ARGS, REPO, script_env
+from conftest import FAST_ARGS, REPO, memory_heavy, read_ckpt_entries, script_env
 
 SCRIPTS = REPO / "scripts"
 LAUNCHERS = ["run_standalone_train.sh", "run_distribute_train.sh", "run_eval.sh"]
@@ -135,13 +135,37 @@ DISTRIBUTED_ARGS = ["--epoch_size", "2", "--train_num_samples", "160", *SMALL]
 
 
 @pytest.fixture(scope="module")
-def two_worker_run(cifar_dir, tmp_path_factory, decoy_path):
-    """One uninterrupted 2-worker run (with a decoy `python` first on PATH), shared by the tests below."""
+def fresh_venv(tmp_path_factory) -> Path:
+    """The interpreter of a new virtualenv that sees this interpreter's packages through a .pth file (no
+    install): Python finds a virtualenv from the pyvenv.cfg beside the path it was started by, so a launcher
+    that started its workers through a symlink to it would get the base interpreter, not this venv."""
+    venv = tmp_path_factory.mktemp("venv") / "env"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    python = venv / "bin" / "python"
+    site_packages = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+                                   capture_output=True, text=True, check=True).stdout.strip()
+    ours = [path for path in sys.path if path.endswith("site-packages") and Path(path).is_dir()]
+    (Path(site_packages) / "outer.pth").write_text("\n".join(ours) + "\n")
+    return python
+
+
+@pytest.fixture(scope="module")
+def two_worker_run(cifar_dir, tmp_path_factory, decoy_path, fresh_venv):
+    """One uninterrupted 2-worker run, started from a new virtualenv's interpreter with a decoy `python` first on
+    PATH, shared by the tests below."""
     out = tmp_path_factory.mktemp("two-workers") / "out"
-    process = launch("run_distribute_train.sh", [2, cifar_dir, "--output_path", out, *DISTRIBUTED_ARGS],
-                     env=launcher_env(PATH=decoy_path))
+    with memory_heavy():
+        process = launch("run_distribute_train.sh", [2, cifar_dir, "--output_path", out, *DISTRIBUTED_ARGS],
+                         env=launcher_env(PATH=decoy_path, PYTHON=str(fresh_venv)))
     assert process.returncode == 0, process.stdout[-3000:] + process.stderr[-3000:]
     return out, process
+
+
+def test_workers_run_the_virtualenvs_interpreter(two_worker_run, fresh_venv):
+    out, process = two_worker_run
+    assert f"with {fresh_venv}" in process.stdout
+    for rank in (0, 1):
+        assert f"python {fresh_venv}, MindSpore" in (out / "msrun_log" / f"worker_{rank}.log").read_text()
 
 
 def test_two_workers_identical_weights_rank0_outputs_and_matching_eval(two_worker_run, cifar_dir, tmp_path):
@@ -152,6 +176,8 @@ def test_two_workers_identical_weights_rank0_outputs_and_matching_eval(two_worke
     assert "data-parallel training: rank 0 of 2" in worker0.read_text()
     assert "rank 1 of 2" in worker1.read_text()
     assert "10 steps, batch 8 x 2 device(s)" in worker0.read_text()  # 160 images shared by 2 ranks
+    # The launcher keeps MindSpore's C++ warnings out of the workers' logs (GLOG_v=3 unless set).
+    assert "[WARNING]" not in worker0.read_text() + worker1.read_text()
     # Both ranks end with identical weights (BN statistics included: they are averaged over ranks).
     assert len(digests(worker0)) == 1 and digests(worker0) == digests(worker1)
     # Evaluation sums over ranks: both report the same numbers, over all 30 images.
@@ -188,7 +214,14 @@ def worker_pid(marker: str, rank: int) -> int:
     raise AssertionError(f"no worker with rank {rank} among {job_processes(marker)}")
 
 
-def test_killing_a_worker_ends_the_launcher_nonzero_without_orphans(cifar_dir, tmp_path):
+@pytest.fixture
+def memory_turn():
+    """The whole test is one memory-heavy block (conftest.memory_heavy): it runs msrun jobs."""
+    with memory_heavy():
+        yield
+
+
+def test_killing_a_worker_ends_the_launcher_nonzero_without_orphans(cifar_dir, tmp_path, memory_turn):
     out = tmp_path / "killed-run"
     log = open(tmp_path / "launcher.log", "w")
     launcher = subprocess.Popen(["bash", str(SCRIPTS / "run_distribute_train.sh"), "2", str(cifar_dir),
@@ -230,7 +263,7 @@ def wait_for_text(path: Path, text: str, process: subprocess.Popen, timeout: flo
 
 
 def test_sigterm_saves_and_a_resumed_distributed_run_ends_with_the_same_weights(two_worker_run, cifar_dir,
-                                                                                 tmp_path):
+                                                                                 tmp_path, memory_turn):
     straight, _ = two_worker_run
     args = [2, cifar_dir, *DISTRIBUTED_ARGS]
     out = tmp_path / "stopped"
@@ -253,9 +286,8 @@ def test_sigterm_saves_and_a_resumed_distributed_run_ends_with_the_same_weights(
     assert digests(out / "msrun_log" / "worker_0.log") == digests(out / "msrun_log" / "worker_1.log")
     # Trained weights and optimizer state are bit-identical to the uninterrupted run; BatchNorm moving
     # statistics (averaged over ranks, in another order of float additions) agree to rounding.
-    import mindspore as ms
-    straight_ckpt = ms.load_checkpoint(str(straight / "resnet18-last.ckpt"))
-    resumed_ckpt = ms.load_checkpoint(str(out / "resnet18-last.ckpt"))
+    straight_ckpt = read_ckpt_entries(straight / "resnet18-last.ckpt")
+    resumed_ckpt = read_ckpt_entries(out / "resnet18-last.ckpt")
     for name, value in straight_ckpt.items():
         if isinstance(value, str) or not value.size:
             continue
