@@ -75,8 +75,7 @@ def _time_steps(run_step: Callable[[], None], warmup: int, repeats: int, steps: 
 
 def _worker_env(threads: int) -> Dict[str, str]:
     # OpenBLAS (numpy) reads OPENBLAS_NUM_THREADS before OMP_NUM_THREADS: set both so every backend gets `threads`.
-    return dict(os.environ, OMP_NUM_THREADS=str(threads), OPENBLAS_NUM_THREADS=str(threads),
-                GLOG_v=os.environ.get("GLOG_v", "3"))
+    return dict(os.environ, OMP_NUM_THREADS=str(threads), OPENBLAS_NUM_THREADS=str(threads))
 
 
 def _run_worker(args: List[str], threads: int, what: str):

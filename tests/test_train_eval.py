@@ -1,6 +1,7 @@
 """End to end through train.py and eval.py on generated data at 32x32: outputs, resume, signals, refusals."""
 import csv
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -10,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import FAST_ARGS, REPO, assert_one_line_error, run_script, script_env
+from conftest import FAST_ARGS, REPO, assert_one_line_error, read_ckpt_entries, run_script, script_env
 from src.metrics_file import COLUMNS
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -23,8 +24,7 @@ def read_metrics(folder: Path):
 
 
 def checkpoint_arrays(path: Path):
-    import mindspore as ms
-    return {name: value.asnumpy() for name, value in ms.load_checkpoint(str(path)).items()
+    return {name: value.asnumpy() for name, value in read_ckpt_entries(path).items()
             if not isinstance(value, str)}
 
 
@@ -70,6 +70,22 @@ def test_training_writes_checkpoints_metrics_curves_and_log(resnet50_run):
     assert "SYNTHETIC" in process.stdout  # generated data is labelled as such
     assert "amp_level O3: CPU trains in fp32 (O0)" in process.stdout
     assert no_partial_files(out)
+
+
+def test_the_terminal_shows_the_projects_own_lines_only(resnet50_run):
+    """MindSpore's C++ warnings (about 160 while a training step compiles) stay out unless GLOG_v asks."""
+    _, process = resnet50_run
+    log_line = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d ")
+    assert [line for line in process.stdout.splitlines() if not log_line.match(line)] == []
+    assert process.stderr.strip() == ""
+
+
+def test_a_glog_level_the_user_sets_is_kept():
+    show = "import os, src; print(os.environ['GLOG_v'])"
+    for env, expected in ((None, "3"), ({"GLOG_v": "1"}, "1")):
+        process = subprocess.run([sys.executable, "-c", show], cwd=REPO, env=script_env(env), capture_output=True,
+                                 text=True, timeout=60)
+        assert process.stdout.strip() == expected, process.stderr
 
 
 def test_eval_reproduces_the_training_evaluation(resnet50_run, cifar_dir, tmp_path):
