@@ -18,6 +18,10 @@ def test_ci_runs_exactly_the_readme_test_command():
     test_command = "python -m pip install -r requirements-dev.txt && python -m pytest -q -n 2 --dist loadfile"
     assert ci_lines[-1] == test_command
     assert test_command in fenced_commands(README)
+    # ... inside a virtualenv made new in a temporary folder for each run, as a newcomer would install.
+    assert any(line.startswith('python3 -m venv "$VENV_PARENT/') for line in ci_lines)
+    assert any("mktemp -d" in line for line in ci_lines)
+    assert any(line.startswith('source "$VENV_PARENT/') and line.endswith('/bin/activate"') for line in ci_lines)
 
 
 def test_quickstart_command_is_in_the_readme():
