@@ -25,15 +25,13 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Callable, Dict, List
 
+from src.architectures import MODEL_NAMES as ARCHITECTURES  # not src.resnet's: it would load MindSpore
 from src.benchmark import (GEMM_BACKENDS, Measurement, flops_per_image, forward_macs, forward_macs_in_subprocess,
                            measure_gemm_here, measure_gemm_in_subprocess, measure_here, measure_in_subprocess, table,
                            to_json)
 from src.errors import UserError, run_cli
 from src.model_utils.config import CHOICES
 
-# src.resnet.ARCHITECTURES, written out: importing src.resnet loads MindSpore, which the PyTorch and numpy
-# workers (this same script) must stay free of.
-ARCHITECTURES = ("resnet18", "resnet34", "resnet50", "resnet101", "resnet152")
 WORKERS = ("mindspore", "torch", "macs") + tuple(f"gemm-{backend}" for backend in GEMM_BACKENDS)
 
 

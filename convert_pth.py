@@ -13,11 +13,10 @@ import argparse
 import sys
 from typing import List, Optional
 
+from src.architectures import MODEL_NAMES as ARCHITECTURES
 from src.errors import UserError, run_cli
 from src.torch_convert import (DEFAULT_TOLERANCE, Comparison, Conversion, VerificationFailed, convert_ckpt_to_pth,
                                convert_pth_to_ckpt, torchvision_available, verify_against_torchvision)
-
-ARCHITECTURES = ("resnet18", "resnet34", "resnet50", "resnet101", "resnet152")  # src.resnet.ARCHITECTURES
 
 
 class OneLineArgumentParser(argparse.ArgumentParser):

@@ -10,6 +10,8 @@ from typing import Callable, Dict, List, Optional, Type, Union
 from mindspore import nn, ops
 from mindspore.common import initializer as init
 
+from src.architectures import ARCHITECTURES as LAYOUTS, BASIC, BOTTLENECK
+
 # torch.nn.BatchNorm2d defaults: momentum 0.1 (MindSpore counts it the other way round), eps 1e-5.
 BN_MOMENTUM = 0.9
 BN_EPS = 1e-5
@@ -169,13 +171,9 @@ class ResNet(nn.Cell):
         return self.fc(x)
 
 
-ARCHITECTURES: Dict[str, tuple] = {
-    "resnet18": (BasicBlock, [2, 2, 2, 2]),
-    "resnet34": (BasicBlock, [3, 4, 6, 3]),
-    "resnet50": (Bottleneck, [3, 4, 6, 3]),
-    "resnet101": (Bottleneck, [3, 4, 23, 3]),
-    "resnet152": (Bottleneck, [3, 8, 36, 3]),
-}
+# src/architectures.py's list with the block classes: name -> (block class, blocks in layer1..layer4).
+ARCHITECTURES: Dict[str, tuple] = {name: ({BASIC: BasicBlock, BOTTLENECK: Bottleneck}[kind], list(layers))
+                                   for name, (kind, layers) in LAYOUTS.items()}
 
 
 def build_resnet(model_name: str, num_classes: int = 1000, zero_init_residual: bool = False,

@@ -11,6 +11,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import yaml
 
+from src.architectures import MODEL_NAMES
 from src.errors import UserError
 
 DEFAULT_CONFIG_PATH = Path(__file__).resolve().parents[2] / "default_config.yaml"
@@ -19,7 +20,7 @@ CHOICES: Dict[str, Tuple[str, ...]] = {
     "device_target": ("Auto", "Ascend", "GPU", "CPU"),
     "context_mode": ("graph", "pynative"),
     "conv_implementation": ("auto", "onednn_blocked", "mindspore"),
-    "model_name": ("resnet18", "resnet34", "resnet50", "resnet101", "resnet152"),
+    "model_name": MODEL_NAMES,
     "optimizer": ("adam", "momentum"),
     "lr_schedule": ("constant", "cosine", "step", "poly"),
     "amp_level": ("O0", "O1", "O2", "O3"),
