@@ -29,17 +29,10 @@ from src.architectures import MODEL_NAMES as ARCHITECTURES  # not src.resnet's: 
 from src.benchmark import (GEMM_BACKENDS, Measurement, flops_per_image, forward_macs, forward_macs_in_subprocess,
                            measure_gemm_here, measure_gemm_in_subprocess, measure_here, measure_in_subprocess, table,
                            to_json)
-from src.errors import UserError, run_cli
+from src.errors import OneLineArgumentParser, UserError, run_cli
 from src.model_utils.config import CHOICES
 
 WORKERS = ("mindspore", "torch", "macs") + tuple(f"gemm-{backend}" for backend in GEMM_BACKENDS)
-
-
-class OneLineArgumentParser(argparse.ArgumentParser):
-    """argparse's usage errors as a UserError: one 'error: ...' line and exit code 2 (via run_cli)."""
-
-    def error(self, message: str) -> None:  # type: ignore[override]
-        raise UserError(f"{message} (see python benchmark.py --help)")
 
 
 def _int_at_least(minimum: int) -> Callable[[str], int]:

@@ -14,16 +14,9 @@ import sys
 from typing import List, Optional
 
 from src.architectures import MODEL_NAMES as ARCHITECTURES
-from src.errors import UserError, run_cli
+from src.errors import OneLineArgumentParser, UserError, run_cli
 from src.torch_convert import (DEFAULT_TOLERANCE, Comparison, Conversion, VerificationFailed, convert_ckpt_to_pth,
                                convert_pth_to_ckpt, torchvision_available, verify_against_torchvision)
-
-
-class OneLineArgumentParser(argparse.ArgumentParser):
-    """argparse's usage errors as a UserError: one 'error: ...' line and exit code 2 (via run_cli)."""
-
-    def error(self, message: str) -> None:  # type: ignore[override]
-        raise UserError(f"{message} (see python convert_pth.py --help)")
 
 
 def _positive_int(text: str) -> int:

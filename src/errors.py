@@ -1,5 +1,7 @@
 """The one exception type for failures a user can cause and fix (bad data, checkpoint, config, device),
-and the wrapper that turns it into one line and an exit code."""
+the wrapper that turns it into one line and an exit code, and the scripts' argument parser that does the
+same for usage errors."""
+import argparse
 import sys
 from typing import Callable
 
@@ -23,3 +25,10 @@ def run_cli(main: Callable[[], int]) -> None:
         print("interrupted", file=sys.stderr, flush=True)
         code = 130
     sys.exit(code or 0)
+
+
+class OneLineArgumentParser(argparse.ArgumentParser):
+    """argparse's usage errors as a UserError: one 'error: ...' line and exit code 2 (via run_cli)."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise UserError(f"{message} (see python {self.prog} --help)")
