@@ -1,5 +1,5 @@
 """Checkpoint files: atomic, CRC-checked writes; reads that fail in one clear line; SHA-256 pinning; and the one
-weight-loading path (load_weights) that reads this project's .ckpt, a PyTorch/torchvision .pth, a MindSpore
+weight-loading path (load_weights_report) that reads this project's .ckpt, a PyTorch/torchvision .pth, a MindSpore
 models-zoo or a mindcv ResNet checkpoint, and checks the architecture and class count before touching the
 network."""
 import logging
@@ -8,7 +8,7 @@ import re
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
 import mindspore as ms
@@ -120,11 +120,11 @@ def read_checkpoint(path: str, sha256: str = "") -> Dict[str, Any]:
     return entries
 
 
-def describe_weights(entries: Dict[str, Any]) -> Tuple[Optional[str], Optional[int]]:
-    """(architecture, class count) a set of ResNet weights belongs to, as far as the names tell."""
+def architecture_of(names: Iterable[str]) -> Optional[str]:
+    """The architecture whose block counts and block kind a set of our names shows."""
     blocks: Dict[int, int] = {}
     bottleneck = False
-    for name in entries:
+    for name in names:
         match = re.match(r"layer([1-4])\.(\d+)\.(conv\d)\.weight$", name)
         if match:
             layer, index = int(match.group(1)), int(match.group(2))
@@ -134,9 +134,15 @@ def describe_weights(entries: Dict[str, Any]) -> Tuple[Optional[str], Optional[i
     for model_name, (block, layers) in ARCHITECTURES.items():
         if [blocks.get(i, 0) for i in range(1, 5)] == layers and (block is Bottleneck) == bottleneck:
             architecture = model_name
+    return architecture
+
+
+def describe_weights(entries: Dict[str, Any]) -> Tuple[Optional[str], Optional[int]]:
+    """(architecture, class count) a set of ResNet weights belongs to, as far as the names (and fc.weight's
+    shape) tell."""
     fc = entries.get("fc.weight")
     class_num = int(fc.shape[0]) if fc is not None and len(fc.shape) == 2 else None
-    return architecture, class_num
+    return architecture_of(entries), class_num
 
 
 def network_weights(entries: Dict[str, Any], net: nn.Cell, path: str, model_name: str,
@@ -180,7 +186,7 @@ DEFAULT_LOGGER = "resnet"  # src.utils.get_logger's logger
 class LoadReport:
     """What load_weights_report did."""
     path: str
-    fmt: str  # one of src.checkpoint_formats.FORMATS
+    fmt: str  # src.checkpoint_formats.OURS, TORCH, ZOO or MINDCV
     entries: Dict[str, Any]  # every entry of the file as read (original names)
     match: NameMatch
     loaded: List[str] = field(default_factory=list)  # our parameter names set from the file
@@ -192,9 +198,9 @@ def read_weight_file(path: str, sha256: str = "") -> Tuple[Dict[str, Any], Optio
     """(entries, TORCH for a PyTorch file else None) of a checkpoint in any accepted format; UserError otherwise."""
     file = check_file_given(path)
     if file.stat().st_size and is_torch_file(file):
-        from src.torch_convert import read_torch_state_dict
+        from src.torch_convert import load_torch_state_dict
         verify_sha256(file, sha256)
-        return read_torch_state_dict(str(file)), TORCH
+        return load_torch_state_dict(str(file)).arrays, TORCH
     return read_checkpoint(path, sha256), None
 
 
@@ -286,10 +292,3 @@ def _log_report(report: LoadReport, renamed: Dict[str, Any], params: Dict[str, m
 def _some(names: List[str], limit: int = 4) -> str:
     more = f", ... (+{len(names) - limit} more)" if len(names) > limit else ""
     return ", ".join(names[:limit]) + more
-
-
-def load_weights(net: nn.Cell, path: str, model_name: str, logger: Optional[logging.Logger] = None,
-                 sha256: str = "", allow_new_head: bool = False) -> Dict[str, Any]:
-    """Loads a checkpoint's network weights into net (any accepted format, see load_weights_report); returns all
-    of the file's entries."""
-    return load_weights_report(net, path, model_name, logger, sha256, allow_new_head).entries

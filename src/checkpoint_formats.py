@@ -22,7 +22,6 @@ from typing import Any, Collection, Dict, Iterable, List, Mapping, Optional
 from src.torch_convert import torch_to_mindspore_name
 
 OURS, TORCH, ZOO, MINDCV = "ours", "torch", "zoo", "mindcv"
-FORMATS = (OURS, TORCH, ZOO, MINDCV)
 FORMAT_TITLES = {
     OURS: "this project's MindSpore checkpoint",
     TORCH: "PyTorch/torchvision state_dict",

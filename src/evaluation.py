@@ -105,7 +105,7 @@ def write_json_atomic(values: Dict, path: Path) -> Path:
 def run_evaluation(config, env, logger: logging.Logger) -> Dict:
     """Evaluates config.checkpoint_path on the test set; writes eval_result.json (and the confusion
     matrix PNG when save_confusion_matrix) to output_path; returns the result dictionary."""
-    from src.checkpoint import load_weights
+    from src.checkpoint import load_weights_report
     from src.data_source import prepare_data
     from src.dataset import class_names, create_dataset
     from src.fused_inference import inference_network
@@ -114,7 +114,7 @@ def run_evaluation(config, env, logger: logging.Logger) -> Dict:
 
     data = prepare_data(config, logger, training=False)
     net = build_resnet(config.model_name, config.class_num, conv_implementation=env.conv_implementation)
-    load_weights(net, config.checkpoint_path, config.model_name, logger, sha256=config.checkpoint_sha256)
+    load_weights_report(net, config.checkpoint_path, config.model_name, logger, sha256=config.checkpoint_sha256)
     dataset = create_dataset(data.eval_path, False, config.batch_size, (config.image_height, config.image_width),
                              env.group_size, env.rank_id, config.eval_num_samples, config.num_parallel_workers,
                              config.seed)

@@ -1,4 +1,4 @@
-"""Classification of image files with a checkpoint (.ckpt, .pth: anything src.checkpoint.load_weights reads)
+"""Classification of image files with a checkpoint (.ckpt, .pth: anything src.checkpoint.load_weights_report reads)
 or an exported .mindir, preprocessed exactly as evaluation preprocesses CIFAR-10's test images.
 
 Images are decoded by OpenCV (any size, grey or colour, jpg/png/bmp/...), converted to RGB (the order of
@@ -128,14 +128,14 @@ class Classifier:
 def network_classifier(checkpoint_path: str, model_name: str, class_num: int, image_size: Tuple[int, int],
                        logger: Optional[logging.Logger] = None, sha256: str = "",
                        conv_implementation: str = "mindspore") -> Classifier:
-    """The network with a checkpoint's weights, loaded through src.checkpoint.load_weights (any format it
-    reads: this project's .ckpt, PyTorch .pth, models-zoo and mindcv checkpoints)."""
+    """The network with a checkpoint's weights, loaded through src.checkpoint.load_weights_report (any
+    format it reads: this project's .ckpt, PyTorch .pth, models-zoo and mindcv checkpoints)."""
     import mindspore as ms
-    from src.checkpoint import load_weights
+    from src.checkpoint import load_weights_report
     from src.fused_inference import inference_network
     from src.resnet import build_resnet
     net = build_resnet(model_name, class_num, conv_implementation=conv_implementation)
-    load_weights(net, checkpoint_path, model_name, logger, sha256=sha256)
+    load_weights_report(net, checkpoint_path, model_name, logger, sha256=sha256)
     inference_net = inference_network(net)  # in inference mode; fused into one native call a layer when it can
     return Classifier(run=lambda batch: inference_net(ms.Tensor(batch)).asnumpy(), image_size=tuple(image_size),
                       class_num=class_num, fixed_batch=None, description=f"{model_name} from {checkpoint_path}")
@@ -190,7 +190,7 @@ def mindir_classifier(path: str, image_size: Tuple[int, int], class_num: int, sh
 def load_classifier(model_path: str, model_name: str, class_num: int, image_size: Tuple[int, int],
                     logger: Optional[logging.Logger] = None, sha256: str = "",
                     conv_implementation: str = "mindspore") -> Classifier:
-    """A .mindir runs as exported; anything else is a checkpoint for load_weights. Raises UserError."""
+    """A .mindir runs as exported; anything else is a checkpoint for load_weights_report. Raises UserError."""
     if not model_path:
         raise UserError("no model given: pass --checkpoint_path FILE (.ckpt, .pth or an exported .mindir)")
     suffix = Path(model_path).suffix.lower()

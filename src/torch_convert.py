@@ -91,6 +91,8 @@ def _tensor_to_numpy(name: str, value: Any, path: str) -> np.ndarray:
 
 
 def _unwrap(loaded: object, path: str) -> TorchStateDict:
+    """The tensors of a loaded .pth: a bare state_dict or one wrapped in {'state_dict': ...} / {'model': ...},
+    with DataParallel/DDP 'module.' prefixes removed. Raises UserError for anything else."""
     state, notes = loaded, []
     for _ in range(2):  # e.g. {'model': {'state_dict': ...}}
         if isinstance(state, Mapping):
@@ -127,12 +129,6 @@ def _unwrap(loaded: object, path: str) -> TorchStateDict:
     if skipped:
         notes.append(f"ignored {len(skipped)} entries that are not tensors: {', '.join(skipped[:6])}")
     return TorchStateDict(arrays, notes)
-
-
-def unwrap_state_dict(loaded: object, path: str) -> Dict[str, np.ndarray]:
-    """The tensors of a loaded .pth: a bare state_dict or one wrapped in {'state_dict': ...} / {'model': ...},
-    with DataParallel/DDP 'module.' prefixes removed. Raises UserError for anything else."""
-    return _unwrap(loaded, path).arrays
 
 
 def _damaged_zip_member(path: str) -> Optional[str]:
@@ -184,38 +180,6 @@ def load_torch_state_dict(path: str) -> TorchStateDict:
     return _unwrap(loaded, path)
 
 
-def read_torch_state_dict(path: str) -> Dict[str, np.ndarray]:
-    """Reads a PyTorch .pth with torch.load(weights_only=True): nothing in the file is executed.
-
-    Raises UserError for a missing file, a file that needs arbitrary unpickling, or a damaged one.
-    """
-    return load_torch_state_dict(path).arrays
-
-
-# ----------------------------------------------------------------------------------------- renaming dicts
-
-def torch_state_dict_to_mindspore(state: Mapping[str, np.ndarray]) -> Dict[str, np.ndarray]:
-    """Renames a torchvision ResNet state_dict to this project's MindSpore names (num_batches_tracked dropped)."""
-    converted = {}
-    for name, value in state.items():
-        ms_name = torch_to_mindspore_name(name)
-        if ms_name is not None:
-            converted[ms_name] = np.asarray(value)
-    return converted
-
-
-def mindspore_to_torch_state_dict(params: Mapping[str, np.ndarray]) -> Dict[str, np.ndarray]:
-    """The reverse: names torchvision's load_state_dict(strict=True) accepts, with num_batches_tracked
-    (zero) added for every BatchNorm."""
-    state: Dict[str, np.ndarray] = {}
-    for name, value in params.items():
-        state[mindspore_to_torch_name(name)] = np.asarray(value)
-        module, _, field_name = name.rpartition(".")
-        if is_batchnorm_module(module) and field_name == "moving_variance":
-            state[f"{module}.num_batches_tracked"] = np.zeros((), np.int64)
-    return state
-
-
 # ------------------------------------------------------------------------------------ checked conversion
 
 @lru_cache(maxsize=None)
@@ -263,19 +227,12 @@ def _classes_of(shapes: Mapping[str, Tuple[int, ...]]) -> Optional[int]:
     return int(fc[0]) if fc is not None and len(fc) == 2 else None
 
 
-class _Shape:
-    """Stands in for an array where only .shape is read (src.checkpoint.describe_weights)."""
-
-    def __init__(self, shape: Tuple[int, ...]) -> None:
-        self.shape = shape
-
-
 def _pick_architecture(ms_shapes: Mapping[str, Tuple[int, ...]], path: str, model_name: Optional[str],
                        how_to_name: str) -> Tuple[str, str]:
     """(architecture, how to name it in messages): model_name if given and consistent with the names, else the
     architecture the block counts show, else the closest one by shared names."""
-    from src.checkpoint import describe_weights
-    found, _ = describe_weights({name: _Shape(shape) for name, shape in ms_shapes.items()})
+    from src.checkpoint import architecture_of
+    found = architecture_of(ms_shapes)
     known = _architectures()
     if model_name is not None:
         if model_name not in known:
@@ -596,7 +553,7 @@ def compare_with_torchvision(pth_path: str, ckpt_path: str, model_name: str, num
 
     torch.manual_seed(seed)
     tv_net = getattr(torchvision.models, model_name)(num_classes=num_classes)
-    state = {name: torch.from_numpy(np.array(value)) for name, value in read_torch_state_dict(pth_path).items()}
+    state = {name: torch.from_numpy(np.array(value)) for name, value in load_torch_state_dict(pth_path).arrays.items()}
     for module, bn in tv_net.named_modules():  # older files have no num_batches_tracked; it has no effect here
         if isinstance(bn, torch.nn.BatchNorm2d):
             state.setdefault(f"{module}.num_batches_tracked", torch.zeros((), dtype=torch.long))

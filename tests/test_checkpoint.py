@@ -10,7 +10,7 @@ import pytest
 import mindspore as ms
 
 from conftest import one_line_user_error
-from src.checkpoint import (PARTIAL_DIR, describe_weights, link_or_copy_atomic, load_weights, network_weights,
+from src.checkpoint import (PARTIAL_DIR, describe_weights, link_or_copy_atomic, load_weights_report, network_weights,
                             read_checkpoint, save_checkpoint_atomic)
 from src.errors import UserError
 from src.resnet import build_resnet
@@ -228,7 +228,7 @@ def test_read_checkpoint_detects_flipped_byte_in_tensor_data(tmp_path, resnet18_
     read_user_error(path)
 
 
-# ----------------------------------------------------------------------- network_weights / load_weights
+# ---------------------------------------------------------------- network_weights / load_weights_report
 
 
 def test_load_resnet18_checkpoint_into_resnet50_names_architecture(resnet18_10):
@@ -236,7 +236,7 @@ def test_load_resnet18_checkpoint_into_resnet50_names_architecture(resnet18_10):
     net = shared_net("resnet50", 10)
     before = net.conv1.weight.asnumpy().copy()
     with pytest.raises(UserError) as excinfo:
-        load_weights(net, str(path), "resnet50")
+        load_weights_report(net, str(path), "resnet50")
     message = one_line_user_error(excinfo, str(path), "resnet18", "--model_name")
     assert "--model_name resnet18" in message
     np.testing.assert_array_equal(net.conv1.weight.asnumpy(), before)  # conv1 shapes agree; still untouched
@@ -247,7 +247,7 @@ def test_load_10_class_checkpoint_into_5_class_net_names_class_counts(resnet18_1
     net = build_resnet("resnet18", 5)
     before = net.conv1.weight.asnumpy().copy()
     with pytest.raises(UserError) as excinfo:
-        load_weights(net, str(path), "resnet18")
+        load_weights_report(net, str(path), "resnet18")
     message = one_line_user_error(excinfo, str(path), "--class_num")
     rest = message.replace(str(path), "")
     assert re.search(r"\b10\b", rest) and re.search(r"\b5\b", rest), message
@@ -274,7 +274,7 @@ def test_load_weights_ignores_optimizer_entries_and_loads_weights(tmp_path):
 
     net = build_resnet("resnet18", 4)
     assert not np.array_equal(net.conv1.weight.asnumpy(), arrays["conv1.weight"])
-    entries = load_weights(net, str(path), "resnet18")
+    entries = load_weights_report(net, str(path), "resnet18").entries
 
     assert {"moment1.conv1.weight", "global_step", "epoch_num"} <= set(entries)
     loaded = params_of(net)
@@ -303,7 +303,7 @@ def test_load_weights_refuses_checkpoint_missing_a_parameter(tmp_path, resnet18_
     net = shared_net("resnet18", 10)
     before = params_of(net)
     with pytest.raises(UserError) as excinfo:
-        load_weights(net, str(path), "resnet18")
+        load_weights_report(net, str(path), "resnet18")
     message = one_line_user_error(excinfo, str(path), dropped, "missing")
     assert "--model_name" not in message and "--class_num" not in message
     after = params_of(net)

@@ -20,7 +20,7 @@ import mindspore as ms
 from mindspore import nn
 
 from conftest import one_line_user_error, read_ckpt_entries
-from src.checkpoint import describe_weights, load_weights, load_weights_report, save_checkpoint_atomic
+from src.checkpoint import describe_weights, load_weights_report, save_checkpoint_atomic
 from src.checkpoint_formats import (MINDCV, OURS, TORCH, ZOO, detect_format, find_wrapper_prefix, is_training_state,
                                     match_names, to_our_name, zoo_bn_eps)
 from src.errors import UserError
@@ -399,7 +399,7 @@ def test_zoo_resnet18_gives_the_zoo_networks_outputs(foreign_checkpoints, logger
     """Same padding as ours; the eps 1e-4 BatchNorms are matched by the moving_variance adjustment."""
     path, source, _ = foreign_checkpoints(ZOO, "resnet18")
     net = build_resnet("resnet18", 10)
-    load_weights(net, str(path), "resnet18", logger)
+    load_weights_report(net, str(path), "resnet18", logger)
     np.testing.assert_allclose(logits(net, IMAGES), logits(source, IMAGES), rtol=1e-4, atol=1e-5)
     assert "eps 1e-4" in caplog.text and "raised by 9e-5" in caplog.text
 
@@ -415,7 +415,7 @@ def _conv_like(conv: nn.Conv2d, pad_mode: str) -> nn.Conv2d:
 def test_zoo_resnet50_differs_only_by_the_logged_padding(foreign_checkpoints, logger, caplog):
     path, source, _ = foreign_checkpoints(ZOO, "resnet50")
     net = build_resnet("resnet50", 10)
-    load_weights(net, str(path), "resnet50", logger)
+    load_weights_report(net, str(path), "resnet50", logger)
     ours, theirs = logits(net, IMAGES), logits(source, IMAGES)
     assert not np.allclose(ours, theirs, rtol=1e-3, atol=1e-3)  # the log says outputs differ: they do
     assert "DIFFER" in caplog.text and "pad_mode 'same'" in caplog.text
@@ -432,7 +432,7 @@ def test_zoo_resnet50_differs_only_by_the_logged_padding(foreign_checkpoints, lo
 def test_mindcv_differs_only_by_the_logged_max_pool(foreign_checkpoints, logger, caplog, depth):
     path, source, _ = foreign_checkpoints(MINDCV, depth)
     net = build_resnet(depth, 10)
-    load_weights(net, str(path), depth, logger)
+    load_weights_report(net, str(path), depth, logger)
     theirs = logits(source, IMAGES)
     assert not np.allclose(logits(net, IMAGES), theirs, rtol=1e-3, atol=1e-3)
     assert "mindcv's ResNet max pool uses pad_mode 'same'" in caplog.text
@@ -493,7 +493,7 @@ def test_zoo_resnet50_into_resnet18_names_the_architecture(foreign_checkpoints, 
     net = build_resnet("resnet18", 10)
     before = net.conv1.weight.asnumpy().copy()
     with pytest.raises(UserError) as excinfo:
-        load_weights(net, str(path), "resnet18", logger)
+        load_weights_report(net, str(path), "resnet18", logger)
     one_line_user_error(excinfo, str(path), "resnet50", "--model_name resnet50")
     np.testing.assert_array_equal(net.conv1.weight.asnumpy(), before)
 
@@ -504,7 +504,7 @@ def test_deeper_checkpoint_holding_every_name_is_still_refused(tmp_path, logger)
     ms.save_checkpoint(build_resnet("resnet34", 10), str(path))
     net = build_resnet("resnet18", 10)
     with pytest.raises(UserError) as excinfo:
-        load_weights(net, str(path), "resnet18", logger)
+        load_weights_report(net, str(path), "resnet18", logger)
     one_line_user_error(excinfo, str(path), "resnet34", "--model_name resnet34")
 
 
@@ -515,7 +515,7 @@ def test_foreign_head_mismatch_is_refused_unless_a_new_head_is_allowed(foreign_c
     fresh_fc = net.fc.weight.asnumpy().copy()
     before = net.conv1.weight.asnumpy().copy()
     with pytest.raises(UserError) as excinfo:
-        load_weights(net, str(path), "resnet18", logger)
+        load_weights_report(net, str(path), "resnet18", logger)
     one_line_user_error(excinfo, str(path), "1000-class head", "--class_num 1000")
     np.testing.assert_array_equal(net.conv1.weight.asnumpy(), before)
 
@@ -542,7 +542,7 @@ def test_zoo_se_resnet_is_refused(tmp_path, logger):
     path = tmp_path / "se.ckpt"
     ms.save_checkpoint([{"name": n, "data": ms.Tensor(v)} for n, v in se.items()], str(path))
     with pytest.raises(UserError) as excinfo:
-        load_weights(build_resnet("resnet50", 10), str(path), "resnet50", logger)
+        load_weights_report(build_resnet("resnet50", 10), str(path), "resnet50", logger)
     one_line_user_error(excinfo, str(path), "missing", "conv1.weight")
 
 
@@ -556,10 +556,10 @@ def test_checkpoint_sha256_pin_on_load(foreign_checkpoints, logger, pin, ok):
              "not-hex": "xyz12345", "abc": "abc"}[pin]
     net = build_resnet("resnet18", 10)
     if ok:
-        load_weights(net, str(path), "resnet18", logger, sha256=value)
+        load_weights_report(net, str(path), "resnet18", logger, sha256=value)
         return
     with pytest.raises(UserError) as excinfo:
-        load_weights(net, str(path), "resnet18", logger, sha256=value)
+        load_weights_report(net, str(path), "resnet18", logger, sha256=value)
     if pin == "wrong":
         one_line_user_error(excinfo, str(path), digest, "--checkpoint_sha256")
     else:
@@ -571,7 +571,7 @@ def test_pth_that_needs_unpickling_is_refused(tmp_path, logger):
     path = tmp_path / "model.pth"
     torch.save(torch.nn.Linear(2, 2), path)  # a whole module: needs arbitrary unpickling
     with pytest.raises(UserError) as excinfo:
-        load_weights(build_resnet("resnet18", 10), str(path), "resnet18", logger)
+        load_weights_report(build_resnet("resnet18", 10), str(path), "resnet18", logger)
     one_line_user_error(excinfo, str(path), "unpickle")
 
 
@@ -581,7 +581,7 @@ def test_damaged_files_are_refused_in_one_line(tmp_path, logger, content):
     path = tmp_path / "weights.pth"
     path.write_bytes(content)
     with pytest.raises(UserError) as excinfo:
-        load_weights(build_resnet("resnet18", 10), str(path), "resnet18", logger)
+        load_weights_report(build_resnet("resnet18", 10), str(path), "resnet18", logger)
     one_line_user_error(excinfo, str(path))
 
 
@@ -598,5 +598,5 @@ def test_mindspore_checkpoint_with_a_torch_suffix_is_one_line(tmp_path, logger):
     ms.save_checkpoint(build_resnet("resnet18", 10), str(tmp_path / "saved.ckpt"))
     path = (tmp_path / "saved.ckpt").rename(tmp_path / "misnamed.pth")
     with pytest.raises(UserError) as excinfo:
-        load_weights(build_resnet("resnet18", 10), str(path), "resnet18", logger)
+        load_weights_report(build_resnet("resnet18", 10), str(path), "resnet18", logger)
     one_line_user_error(excinfo, str(path), "not a PyTorch checkpoint")
