@@ -15,8 +15,8 @@ from typing import List, Optional
 
 from src.architectures import MODEL_NAMES as ARCHITECTURES
 from src.errors import OneLineArgumentParser, UserError, run_cli
-from src.torch_convert import (DEFAULT_TOLERANCE, Comparison, Conversion, VerificationFailed, convert_ckpt_to_pth,
-                               convert_pth_to_ckpt, torchvision_available, verify_against_torchvision)
+from src.weights.convert import (DEFAULT_TOLERANCE, Comparison, Conversion, VerificationFailed, convert_ckpt_to_pth,
+                                 convert_pth_to_ckpt, torchvision_available, verify_against_torchvision)
 
 
 def _positive_int(text: str) -> int:

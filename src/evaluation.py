@@ -105,12 +105,12 @@ def write_json_atomic(values: Dict, path: Path) -> Path:
 def run_evaluation(config, env, logger: logging.Logger) -> Dict:
     """Evaluates config.checkpoint_path on the test set; writes eval_result.json (and the confusion
     matrix PNG when save_confusion_matrix) to output_path; returns the result dictionary."""
-    from src.checkpoint import load_weights_report
     from src.data_source import prepare_data
     from src.dataset import class_names, create_dataset
     from src.fused_inference import inference_network
     from src.plotting import plot_confusion_matrix
     from src.resnet import build_resnet
+    from src.weights.loading import load_weights_report
 
     data = prepare_data(config, logger, training=False)
     net = build_resnet(config.model_name, config.class_num, conv_implementation=env.conv_implementation)

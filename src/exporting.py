@@ -189,7 +189,7 @@ def export_network(net, final: Path, file_format: str, batch_size: int, image_si
                    runner_factory: Optional[Callable[[Path, str], Callable]] = None) -> ExportResult:
     """Exports net to final (atomically); with verify, checks the staged file first and publishes it only
     when every difference is within tolerance."""
-    from src.checkpoint import PARTIAL_DIR
+    from src.weights.files import PARTIAL_DIR
     net.set_train(False)  # BatchNorm with moving statistics: exporting the training graph is a classic mistake
     shape = input_shape(batch_size, image_size, dynamic_batch)
     partial = final.parent / PARTIAL_DIR  # the folder train.py stages its checkpoints in: same filesystem
@@ -223,8 +223,8 @@ def _size_text(path: Path) -> str:
 
 def run_export(config, env, logger: logging.Logger) -> Tuple[int, Dict]:
     """export.py's work after init_env: (exit code, summary). Exit code 1 when verification fails."""
-    from src.checkpoint import load_weights_report
     from src.resnet import build_resnet
+    from src.weights.loading import load_weights_report
 
     check_device(config.file_format, env.device_target)
     final = export_path(config.output_path, config.file_name, config.model_name, config.file_format)

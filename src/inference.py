@@ -1,4 +1,4 @@
-"""Classification of image files with a checkpoint (.ckpt, .pth: anything src.checkpoint.load_weights_report reads)
+"""Classification of image files with a checkpoint (.ckpt, .pth: anything src.weights.loading reads)
 or an exported .mindir, preprocessed exactly as evaluation preprocesses CIFAR-10's test images.
 
 Images are decoded by OpenCV (any size, grey or colour, jpg/png/bmp/...), converted to RGB (the order of
@@ -128,12 +128,12 @@ class Classifier:
 def network_classifier(checkpoint_path: str, model_name: str, class_num: int, image_size: Tuple[int, int],
                        logger: Optional[logging.Logger] = None, sha256: str = "",
                        conv_implementation: str = "mindspore") -> Classifier:
-    """The network with a checkpoint's weights, loaded through src.checkpoint.load_weights_report (any
+    """The network with a checkpoint's weights, loaded through src.weights.loading.load_weights_report (any
     format it reads: this project's .ckpt, PyTorch .pth, models-zoo and mindcv checkpoints)."""
     import mindspore as ms
-    from src.checkpoint import load_weights_report
     from src.fused_inference import inference_network
     from src.resnet import build_resnet
+    from src.weights.loading import load_weights_report
     net = build_resnet(model_name, class_num, conv_implementation=conv_implementation)
     load_weights_report(net, checkpoint_path, model_name, logger, sha256=sha256)
     inference_net = inference_network(net)  # in inference mode; fused into one native call a layer when it can
@@ -174,7 +174,7 @@ def mindir_classifier(path: str, image_size: Tuple[int, int], class_num: int, sh
     image_size and class_num only fill in dimensions the file leaves dynamic. sha256 pins the file."""
     import mindspore as ms
     from mindspore import nn
-    from src.checkpoint import verify_sha256
+    from src.weights.files import verify_sha256
     inputs, outputs = mindir_signature(path)
     verify_sha256(Path(path), sha256)
     size = (inputs[2] if inputs[2] > 0 else image_size[0], inputs[3] if inputs[3] > 0 else image_size[1])

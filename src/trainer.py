@@ -14,7 +14,6 @@ import numpy as np
 import mindspore as ms
 from mindspore import nn
 
-from src.checkpoint import link_or_copy_atomic, network_weights, read_checkpoint, save_checkpoint_atomic
 from src.collectives import all_reduce_sum, barrier
 from src.data_source import DataSource, prepare_data
 from src.dataset import create_dataset
@@ -24,10 +23,12 @@ from src.fused_inference import inference_network
 from src.lr_schedule import schedule_from_config
 from src.metrics_file import MetricsFile
 from src.plotting import plot_training_curves
-from src.pretrained import load_pretrained
 from src.profiling import StepProfiler
 from src.resnet import build_resnet
 from src.utils import RunEnv
+from src.weights.files import link_or_copy_atomic, read_checkpoint, save_checkpoint_atomic
+from src.weights.loading import network_weights
+from src.weights.pretrained import load_pretrained
 
 STATE_KEYS = ("epoch_num", "step_in_epoch", "steps_per_epoch", "best_top1", "epoch_loss_sum")
 

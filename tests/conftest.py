@@ -150,8 +150,8 @@ def one_line_user_error(excinfo, *fragments: str) -> str:
 
 def read_ckpt_entries(path) -> dict:
     """Every entry of a .ckpt, read the way the project reads them: mindspore.load_checkpoint refuses files larger
-    than MemFree, so the suite would depend on how full the page cache is (src/ckpt_reader.py)."""
-    from src.ckpt_reader import read_ckpt
+    than MemFree, so the suite would depend on how full the page cache is (src/weights/files.py)."""
+    from src.weights.files import read_ckpt
     return read_ckpt(Path(path))
 
 

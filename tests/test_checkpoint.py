@@ -10,10 +10,11 @@ import pytest
 import mindspore as ms
 
 from conftest import one_line_user_error
-from src.checkpoint import (PARTIAL_DIR, describe_weights, link_or_copy_atomic, load_weights_report, network_weights,
-                            read_checkpoint, save_checkpoint_atomic)
 from src.errors import UserError
 from src.resnet import build_resnet
+from src.weights.files import PARTIAL_DIR, link_or_copy_atomic, read_checkpoint, save_checkpoint_atomic
+from src.weights.loading import load_weights_report, network_weights
+from src.weights.names import describe_weights
 
 # --------------------------------------------------------------------------------------------- helpers
 

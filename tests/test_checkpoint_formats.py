@@ -1,4 +1,4 @@
-"""Foreign checkpoints through the one loading path (src.checkpoint.load_weights_report): MindSpore models-zoo and
+"""Foreign checkpoints through the one loading path (src.weights.loading.load_weights_report): MindSpore models-zoo and
 mindcv ResNet checkpoints, PyTorch/torchvision .pth files, and every refusal.
 
 The zoo and mindcv checkpoints are written here by networks built like theirs, so the names are the ones their
@@ -20,11 +20,12 @@ import mindspore as ms
 from mindspore import nn
 
 from conftest import one_line_user_error, read_ckpt_entries
-from src.checkpoint import describe_weights, load_weights_report, save_checkpoint_atomic
-from src.checkpoint_formats import (MINDCV, OURS, TORCH, ZOO, detect_format, find_wrapper_prefix, is_training_state,
-                                    match_names, to_our_name, zoo_bn_eps)
 from src.errors import UserError
 from src.resnet import build_resnet
+from src.weights.files import save_checkpoint_atomic
+from src.weights.loading import load_weights_report
+from src.weights.names import (MINDCV, OURS, TORCH, ZOO, describe_weights, detect_format, find_wrapper_prefix,
+                               is_training_state, match_names, to_our_name, zoo_bn_eps)
 
 LOGGER_NAME = "test_checkpoint_formats"
 

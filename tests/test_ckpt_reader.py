@@ -1,4 +1,4 @@
-"""src/ckpt_reader.py: the .ckpt reader gives what mindspore.load_checkpoint gives, needs MemAvailable rather
+"""src/weights/files.py: the .ckpt reader gives what mindspore.load_checkpoint gives, needs MemAvailable rather
 than MemFree (tested with the page cache really filled), and tells damage, foreign files and lack of memory
 apart in one line each."""
 import json
@@ -13,7 +13,7 @@ import mindspore as ms
 from mindspore.train.checkpoint_pb2 import Checkpoint
 
 from conftest import REPO, assert_one_line_error, flip_one_byte, memory_heavy, run_script, script_env
-from src.ckpt_reader import available_memory, read_ckpt
+from src.weights.files import available_memory, read_ckpt
 from src.errors import UserError
 from src.resnet import build_resnet
 
@@ -122,8 +122,9 @@ ALLOCATION_FAILS = r"""
 import resource, sys
 sys.path.insert(0, {repo!r})
 from pathlib import Path
-from src.ckpt_reader import read_ckpt
+from src.weights.files import read_ckpt
 from src.errors import UserError
+import mindspore  # src.weights.files loads it on first use: load it (after src, which quiets its log) before the cap
 vm = int([l for l in open('/proc/self/status') if l.startswith('VmSize')][0].split()[1]) * 1024
 resource.setrlimit(resource.RLIMIT_AS, (vm + 32 * 1024 * 1024, resource.RLIM_INFINITY))
 try:
@@ -154,8 +155,7 @@ sys.path.insert(0, {repo!r})
 import numpy as np
 import mindspore as ms
 from mindspore.train.checkpoint_pb2 import Checkpoint
-from src.checkpoint import read_checkpoint
-from src.ckpt_reader import available_memory
+from src.weights.files import available_memory, read_checkpoint
 
 def memfree():  # what MindSpore 2.10 compares a checkpoint's size with
     return os.sysconf('SC_AVPHYS_PAGES') * os.sysconf('SC_PAGE_SIZE')

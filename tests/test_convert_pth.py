@@ -1,4 +1,4 @@
-"""convert_pth.py and src.torch_convert: .pth -> .ckpt -> .pth, wrappers, --drop_head, --verify, and every
+"""convert_pth.py and src.weights.convert: .pth -> .ckpt -> .pth, wrappers, --drop_head, --verify, and every
 refusal (one 'error:' line, exit code 2, no output file). The CLI is run as a real subprocess; .pth files are
 written with torch.save from torchvision networks built here (random weights, nothing downloaded)."""
 import json
@@ -15,8 +15,10 @@ torchvision = pytest.importorskip("torchvision")
 import mindspore as ms
 
 from conftest import assert_one_line_error, read_ckpt_entries, run_script
-from src.torch_convert import (NUM_BATCHES_TRACKED_ENTRY, MismatchError, convert_pth_to_ckpt,
-                               load_torch_state_dict, torch_to_mindspore_name, torch_to_mindspore_weights)
+from src.weights.convert import (NUM_BATCHES_TRACKED_ENTRY, MismatchError, convert_pth_to_ckpt,
+                                 torch_to_mindspore_weights)
+from src.weights.files import load_torch_state_dict
+from src.weights.names import torch_to_mindspore_name
 
 SCRIPT = "convert_pth.py"
 NUM_CLASSES = 10
@@ -149,7 +151,7 @@ def test_drop_head_leaves_fc_out_and_says_so(pth, state, tmp_path):
 def test_reverse_sets_training_state_aside(tmp_path):
     """A .ckpt with optimizer moments and resume fields next to the weights (as train.py writes) converts back;
     the training state is set aside and listed, num_batches_tracked becomes 0."""
-    from src.checkpoint import save_checkpoint_atomic
+    from src.weights.files import save_checkpoint_atomic
     from src.resnet import build_resnet
     net = build_resnet("resnet18", NUM_CLASSES)
     items = [{"name": p.name, "data": p} for p in net.get_parameters()]

@@ -208,7 +208,7 @@ def test_mindir_classifier_feeds_the_batch_the_file_takes(images, reference_net,
 def test_pth_checkpoint(images, checkpoint, reference_net, tmp_path):
     """A PyTorch state_dict with torchvision's names, read through load_weights_report."""
     torch = pytest.importorskip("torch")
-    from src.torch_convert import mindspore_to_torch_name
+    from src.weights.names import mindspore_to_torch_name
     state = {mindspore_to_torch_name(name): torch.from_numpy(value.asnumpy())
              for name, value in read_ckpt_entries(checkpoint).items()}
     pth = tmp_path / "r18.pth"

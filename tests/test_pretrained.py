@@ -21,9 +21,9 @@ from conftest import (FAST_ARGS, assert_one_line_error, flip_one_byte, one_line_
 from local_http import NO_PROXY, LocalServer, no_proxy_for_localhost  # noqa: F401 (an autouse fixture)
 from src.errors import UserError
 from src.model_utils.config import load_config
-from src.pretrained import (REGISTRY_PATH, download, fetch, hash_in_file_name, load_pretrained, read_registry,
-                            resolve_pretrained)
 from src.resnet import build_resnet
+from src.weights.pretrained import (REGISTRY_PATH, download, fetch, hash_in_file_name, load_pretrained, read_registry,
+                                    resolve_pretrained)
 
 LOGGER_NAME = "test_pretrained"
 
@@ -203,7 +203,7 @@ def test_interrupted_download_leaves_no_partial_file(server, tmp_path, logger, m
                 raise KeyboardInterrupt
             self.inner.update(chunk)
 
-    monkeypatch.setattr("src.pretrained.hashlib.sha256", Interrupting)
+    monkeypatch.setattr("src.weights.pretrained.hashlib.sha256", Interrupting)
     with pytest.raises(KeyboardInterrupt):
         download(url, tmp_path / "weights.pth", "", logger)
     assert files_in(tmp_path) == []

@@ -1,4 +1,4 @@
-"""Numerical parity with torchvision after converting a .pth with src.torch_convert, for ResNet-18..152.
+"""Numerical parity with torchvision after converting a .pth with src.weights.convert, for ResNet-18..152.
 
 For each depth a torchvision network (random weights, randomised BatchNorm parameters and statistics) is saved
 with torch.save, converted to a .ckpt by convert_pth_to_ckpt and loaded into our network. Then:
@@ -41,7 +41,8 @@ torchvision = pytest.importorskip("torchvision")
 
 from conftest import in_fresh_process, randomise_batchnorm, read_ckpt_entries, rel_diff
 from src.resnet import build_resnet
-from src.torch_convert import convert_pth_to_ckpt, mindspore_to_torch_name
+from src.weights.convert import convert_pth_to_ckpt
+from src.weights.names import mindspore_to_torch_name
 
 ms.set_context(mode=ms.PYNATIVE_MODE)  # per-op execution: no graph compilation for five depths
 

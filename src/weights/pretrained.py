@@ -7,8 +7,8 @@
 Downloads go into pretrained_cache_dir: written as *.part, checked, then renamed into place; a file that fails
 its check is removed and the run stops with one line. The hash is --checkpoint_sha256 when given, else the
 registry's prefix, else (like torch.hub) the hex digits in a file name of the form NAME-<hex>.EXT. A cached file
-is checked again before each use. Loading goes through src.checkpoint.load_weights_report; when the file's head
-does not fit class_num, fc keeps its fresh initialisation.
+is checked again before each use. Loading goes through src.weights.loading.load_weights_report; when the file's
+head does not fit class_num, fc keeps its fresh initialisation.
 """
 import difflib
 import hashlib
@@ -25,10 +25,11 @@ from typing import Any, Dict, Optional, Tuple
 
 import yaml
 
-from src.checkpoint import LoadReport, file_sha256, is_torch_file, load_weights_report, normalise_sha256, verify_sha256
 from src.errors import UserError
+from src.weights.files import file_sha256, is_torch_file, normalise_sha256, verify_sha256
+from src.weights.loading import LoadReport, load_weights_report
 
-REGISTRY_PATH = Path(__file__).resolve().parents[1] / "pretrained_weights.yaml"
+REGISTRY_PATH = Path(__file__).resolve().parents[2] / "pretrained_weights.yaml"
 HASH_IN_FILE_NAME = re.compile(r"-([0-9a-f]{8,64})\.")  # torch.hub's convention, at least 8 hex digits
 CHUNK_BYTES = 1 << 20
 URL_SCHEMES = ("http://", "https://")

@@ -1,10 +1,11 @@
-"""Foreign ResNet checkpoint naming schemes -> this project's parameter names (torchvision's module names with
-MindSpore's BatchNorm fields). Pure name handling: no file is read and no network is built here.
+"""Weight names: this project's parameter names (torchvision's module names with MindSpore's BatchNorm fields),
+the foreign ResNet naming schemes mapped onto them, and what architecture a set of names shows. Pure name
+handling: no file is read, no network is built and MindSpore is not imported here.
 
 Schemes (each read from the network code that writes the checkpoints):
 - ours:   this project (src/resnet.py): conv1, bn1, layerN.I.{conv,bn}K, layerN.I.downsample.{0,1}, fc.
 - torch:  a PyTorch/torchvision state_dict: the same module names, BatchNorm fields weight/bias/running_mean/
-          running_var (+ num_batches_tracked); renamed by src.torch_convert.
+          running_var (+ num_batches_tracked); renamed by torch_to_mindspore_name.
 - zoo:    the MindSpore models zoo, official/cv/ResNet/src/resnet.py: the head is `end_point`, the shortcut
           branch `down_sample_layer`, and the BasicBlock (ResNet-18/34) BatchNorms `bn1d`/`bn2d`.
 - mindcv: mindcv/models/resnet.py: the head is `classifier`, the shortcut branch `down_sample`.
@@ -17,9 +18,42 @@ scale, this project's resume fields) is recognised and set aside: see is_trainin
 """
 import re
 from dataclasses import dataclass, field
-from typing import Any, Collection, Dict, Iterable, List, Mapping, Optional
+from typing import Any, Collection, Dict, Iterable, List, Mapping, Optional, Tuple
 
-from src.torch_convert import torch_to_mindspore_name
+from src.architectures import ARCHITECTURES, BOTTLENECK
+
+# ------------------------------------------------------------------------------------ torch <-> MindSpore
+
+# The networks share module names, so only BatchNorm fields are renamed (torch's num_batches_tracked has no
+# MindSpore counterpart).
+TORCH_TO_MS_BN = {"weight": "gamma", "bias": "beta", "running_mean": "moving_mean", "running_var": "moving_variance"}
+MS_TO_TORCH_BN = {value: key for key, value in TORCH_TO_MS_BN.items()}
+# BatchNorm modules in torchvision's ResNet: bn1/bn2/bn3 and the second cell of a downsample branch.
+_BN_MODULE = re.compile(r"(^|\.)(bn\d+|downsample\.1)$")
+
+
+def is_batchnorm_module(module: str) -> bool:
+    return bool(_BN_MODULE.search(module))
+
+
+def torch_to_mindspore_name(name: str) -> Optional[str]:
+    """MindSpore name of a torch state_dict key; None for entries MindSpore has no place for."""
+    module, _, field_name = name.rpartition(".")
+    if not is_batchnorm_module(module):
+        return name
+    if field_name == "num_batches_tracked":
+        return None
+    return f"{module}.{TORCH_TO_MS_BN[field_name]}" if field_name in TORCH_TO_MS_BN else name
+
+
+def mindspore_to_torch_name(name: str) -> str:
+    module, _, field_name = name.rpartition(".")
+    if is_batchnorm_module(module) and field_name in MS_TO_TORCH_BN:
+        return f"{module}.{MS_TO_TORCH_BN[field_name]}"
+    return name
+
+
+# ------------------------------------------------------------------------------------------ naming schemes
 
 OURS, TORCH, ZOO, MINDCV = "ours", "torch", "zoo", "mindcv"
 FORMAT_TITLES = {
@@ -214,3 +248,33 @@ def known_differences(fmt: str, basic_block: bool) -> List[str]:
                 "the stem shift by a pixel); convolutions and BatchNorm (eps 1e-5) are the same; fine-tune these "
                 "weights (--pretrained) rather than evaluate them as they are"]
     return []
+
+
+# ------------------------------------------------------------------------------------------- architecture
+
+_BLOCK_CONV = re.compile(r"layer([1-4])\.(\d+)\.(conv\d)\.weight$")
+
+
+def architecture_of(names: Iterable[str]) -> Optional[str]:
+    """The architecture (src/architectures.py) whose block counts and block kind a set of our names shows."""
+    blocks: Dict[int, int] = {}
+    bottleneck = False
+    for name in names:
+        match = _BLOCK_CONV.match(name)
+        if match:
+            layer, index = int(match.group(1)), int(match.group(2))
+            blocks[layer] = max(blocks.get(layer, 0), index + 1)
+            bottleneck = bottleneck or match.group(3) == "conv3"
+    architecture = None
+    for model_name, (kind, layers) in ARCHITECTURES.items():
+        if tuple(blocks.get(i, 0) for i in range(1, 5)) == layers and (kind == BOTTLENECK) == bottleneck:
+            architecture = model_name
+    return architecture
+
+
+def describe_weights(entries: Mapping[str, Any]) -> Tuple[Optional[str], Optional[int]]:
+    """(architecture, class count) a set of ResNet weights belongs to, as far as the names (and fc.weight's
+    shape) tell."""
+    fc = entries.get("fc.weight")
+    class_num = int(fc.shape[0]) if fc is not None and len(fc.shape) == 2 else None
+    return architecture_of(entries), class_num

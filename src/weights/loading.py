@@ -1,148 +1,20 @@
-"""Checkpoint files: atomic, CRC-checked writes; reads that fail in one clear line; SHA-256 pinning; and the one
-weight-loading path (load_weights_report) that reads this project's .ckpt, a PyTorch/torchvision .pth, a MindSpore
-models-zoo or a mindcv ResNet checkpoint, and checks the architecture and class count before touching the
-network."""
+"""The one weight-loading path: this project's .ckpt, a PyTorch/torchvision .pth, a MindSpore models-zoo or a
+mindcv ResNet checkpoint into a network, after checking the architecture and class count before touching it.
+"""
 import logging
-import os
-import re
-import shutil
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import mindspore as ms
 from mindspore import nn
 
-from src.checkpoint_formats import (FORMAT_TITLES, OURS, TORCH, ZOO, NameMatch, known_differences, match_names,
-                                    zoo_bn_eps)
-from src.ckpt_reader import read_ckpt
+from src.architectures import has_basic_blocks
 from src.errors import UserError
-from src.file_hash import file_digest
-from src.resnet import ARCHITECTURES, BN_EPS, Bottleneck
-
-PARTIAL_DIR = ".partial"  # half-written files live here, never under their final name
-
-
-def save_checkpoint_atomic(source: Any, path: str, append_dict: Optional[Dict[str, Any]] = None) -> Path:
-    """Saves source (a Cell or a list of {'name', 'data'}) to path via a temporary file and one rename.
-
-    The file carries a CRC so that damage is detected on load.
-    """
-    final = Path(path)
-    staging_dir = final.parent / PARTIAL_DIR
-    staging_dir.mkdir(parents=True, exist_ok=True)
-    staging = staging_dir / final.name
-    staging.unlink(missing_ok=True)
-    ms.save_checkpoint(source, str(staging), append_dict=append_dict, crc_check=True)
-    os.replace(staging, final)
-    return final
-
-
-def link_or_copy_atomic(source: Path, destination: Path) -> None:
-    """Makes destination a copy of source (a hard link where possible), replacing it in one rename."""
-    staging = destination.parent / PARTIAL_DIR / destination.name
-    staging.parent.mkdir(parents=True, exist_ok=True)
-    staging.unlink(missing_ok=True)
-    try:
-        os.link(source, staging)
-    except OSError:
-        shutil.copyfile(source, staging)
-    os.replace(staging, destination)
-    # Renaming a hard link onto another link of the same file is a no-op that leaves the staging name.
-    staging.unlink(missing_ok=True)
-
-
-# ------------------------------------------------------------------------------------------------ SHA-256 pins
-
-_HEX_DIGEST = re.compile(r"^[0-9a-f]{8,64}$")
-
-
-def normalise_sha256(expected: str, key: str = "checkpoint_sha256") -> str:
-    """expected in lower case ('' when unset); UserError unless it is 8 to 64 hex digits."""
-    text = (expected or "").strip().lower()
-    if text and not _HEX_DIGEST.match(text):
-        raise UserError(f"config key '{key}' must be a SHA-256 or a prefix of one (8 to 64 hex digits), got "
-                        f"{expected!r}")
-    return text
-
-
-def file_sha256(path: Path) -> str:
-    return file_digest(path, "sha256")
-
-
-def verify_sha256(path: Path, expected: str, fix: str = "use the pinned file or correct --checkpoint_sha256") -> str:
-    """Checks that path's SHA-256 starts with expected (a full digest or a prefix); returns the digest, '' when
-    expected is empty. Raises UserError naming the file, both digests and fix."""
-    expected = normalise_sha256(expected)
-    if not expected:
-        return ""
-    digest = file_sha256(Path(path))
-    if not digest.startswith(expected):
-        shown = expected if len(expected) == 64 else f"{expected}... (a prefix)"
-        raise UserError(f"{path} has SHA-256 {digest}, expected {shown}: it is damaged or not the pinned file; {fix}")
-    return digest
-
-
-def check_file_given(path: str) -> Path:
-    file = Path(path)
-    if not path:
-        raise UserError("no checkpoint given: pass --checkpoint_path FILE.ckpt")
-    if not file.is_file():
-        raise UserError(f"checkpoint {file} does not exist")
-    return file
-
-
-# ------------------------------------------------------------------------------------------------------ reading
-
-TORCH_SUFFIXES = (".pth", ".pt", ".tar", ".bin")
-
-
-def is_torch_file(path: Path) -> bool:
-    """A PyTorch file, by its first bytes (torch.save's zip archive or a legacy pickle) or its suffix."""
-    with open(path, "rb") as handle:
-        head = handle.read(4)
-    return head == b"PK\x03\x04" or head[:1] == b"\x80" or Path(path).suffix.lower() in TORCH_SUFFIXES
-
-
-def read_checkpoint(path: str, sha256: str = "") -> Dict[str, Any]:
-    """All entries of a MindSpore checkpoint (Parameters and appended values). Raises UserError.
-
-    sha256: when set, the file's SHA-256 must start with it (checked before the file is parsed).
-    """
-    file = check_file_given(path)
-    if file.stat().st_size == 0:
-        raise UserError(f"checkpoint {file} is empty (0 bytes): the write was interrupted; use another checkpoint")
-    verify_sha256(file, sha256)
-    entries = read_ckpt(file)  # not ms.load_checkpoint: it refuses files larger than MemFree (src/ckpt_reader.py)
-    if not entries:
-        raise UserError(f"checkpoint {file} holds no parameters; use a .ckpt written by train.py")
-    return entries
-
-
-def architecture_of(names: Iterable[str]) -> Optional[str]:
-    """The architecture whose block counts and block kind a set of our names shows."""
-    blocks: Dict[int, int] = {}
-    bottleneck = False
-    for name in names:
-        match = re.match(r"layer([1-4])\.(\d+)\.(conv\d)\.weight$", name)
-        if match:
-            layer, index = int(match.group(1)), int(match.group(2))
-            blocks[layer] = max(blocks.get(layer, 0), index + 1)
-            bottleneck = bottleneck or match.group(3) == "conv3"
-    architecture = None
-    for model_name, (block, layers) in ARCHITECTURES.items():
-        if [blocks.get(i, 0) for i in range(1, 5)] == layers and (block is Bottleneck) == bottleneck:
-            architecture = model_name
-    return architecture
-
-
-def describe_weights(entries: Dict[str, Any]) -> Tuple[Optional[str], Optional[int]]:
-    """(architecture, class count) a set of ResNet weights belongs to, as far as the names (and fc.weight's
-    shape) tell."""
-    fc = entries.get("fc.weight")
-    class_num = int(fc.shape[0]) if fc is not None and len(fc.shape) == 2 else None
-    return architecture_of(entries), class_num
+from src.resnet import BN_EPS
+from src.weights.files import check_file_given, is_torch_file, load_torch_state_dict, read_checkpoint, verify_sha256
+from src.weights.names import (FORMAT_TITLES, OURS, TORCH, ZOO, NameMatch, describe_weights, known_differences,
+                               match_names, zoo_bn_eps)
 
 
 def network_weights(entries: Dict[str, Any], net: nn.Cell, path: str, model_name: str,
@@ -186,7 +58,7 @@ DEFAULT_LOGGER = "resnet"  # src.utils.get_logger's logger
 class LoadReport:
     """What load_weights_report did."""
     path: str
-    fmt: str  # src.checkpoint_formats.OURS, TORCH, ZOO or MINDCV
+    fmt: str  # src.weights.names.OURS, TORCH, ZOO or MINDCV
     entries: Dict[str, Any]  # every entry of the file as read (original names)
     match: NameMatch
     loaded: List[str] = field(default_factory=list)  # our parameter names set from the file
@@ -198,7 +70,6 @@ def read_weight_file(path: str, sha256: str = "") -> Tuple[Dict[str, Any], Optio
     """(entries, TORCH for a PyTorch file else None) of a checkpoint in any accepted format; UserError otherwise."""
     file = check_file_given(path)
     if file.stat().st_size and is_torch_file(file):
-        from src.torch_convert import load_torch_state_dict
         verify_sha256(file, sha256)
         return load_torch_state_dict(str(file)).arrays, TORCH
     return read_checkpoint(path, sha256), None
@@ -238,7 +109,7 @@ def load_weights_report(net: nn.Cell, path: str, model_name: str, logger: Option
     skip = _head_to_reinitialise(renamed, params) if allow_new_head else ()
     weights = network_weights(renamed, net, path, model_name, skip=skip)
 
-    basic_block = ARCHITECTURES[model_name][0] is not Bottleneck if model_name in ARCHITECTURES else True
+    basic_block = has_basic_blocks(model_name)
     arrays = {name: _array(value) for name, value in weights.items()}
     if match.fmt == ZOO:
         for name, value in arrays.items():

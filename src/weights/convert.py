@@ -1,22 +1,17 @@
-"""PyTorch/torchvision ResNet state_dicts <-> this project's MindSpore parameter names, and the checked
-conversion of whole files behind convert_pth.py.
+"""The checked conversion of whole files behind convert_pth.py: a PyTorch/torchvision ResNet .pth <-> this
+project's .ckpt, and --verify against torchvision.
 
-The networks share module names, so only BatchNorm fields are renamed:
-weight->gamma, bias->beta, running_mean->moving_mean, running_var->moving_variance
-(torch's num_batches_tracked has no MindSpore counterpart; the file conversion keeps its values in one
-side entry so that .pth -> .ckpt -> .pth gives the same tensors back).
+Every tensor must map onto a parameter of the architecture with the same shape, and every parameter must be
+present; anything else is refused with the unmatched names before any file is written. torch's
+num_batches_tracked has no MindSpore counterpart: the .ckpt keeps its values in one side entry so that
+.pth -> .ckpt -> .pth gives the same tensors back. Outputs are written under a temporary name in the destination
+folder and renamed into place, after the optional check against torchvision (--verify).
 
-Files are read with torch.load(weights_only=True), so nothing in a .pth is executed. Every tensor must map
-onto a parameter of the architecture with the same shape, and every parameter must be present; anything else
-is refused with the unmatched names before any file is written. Outputs are written under a temporary name in
-the destination folder and renamed into place, after the optional check against torchvision (--verify).
+MindSpore, torch and torchvision are imported inside the functions that use them, so that convert_pth.py
+refuses bad options without loading a framework.
 """
 import json
 import os
-import re
-import tempfile
-import warnings
-import zipfile
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -24,13 +19,12 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 import numpy as np
 
+from src.architectures import MODEL_NAMES
 from src.errors import UserError
-
-TORCH_TO_MS_BN = {"weight": "gamma", "bias": "beta", "running_mean": "moving_mean", "running_var": "moving_variance"}
-MS_TO_TORCH_BN = {value: key for key, value in TORCH_TO_MS_BN.items()}
-# BatchNorm modules in torchvision's ResNet: bn1/bn2/bn3 and the second cell of a downsample branch.
-_BN_MODULE = re.compile(r"(^|\.)(bn\d+|downsample\.1)$")
-WRAPPER_KEYS = ("state_dict", "model", "model_state_dict", "net")
+from src.weights.files import (TorchStateDict, load_torch_state_dict, read_checkpoint, save_checkpoint_atomic,
+                               save_torch_state_dict_atomic)
+from src.weights.names import (MS_TO_TORCH_BN, TORCH_TO_MS_BN, architecture_of, is_batchnorm_module,
+                               mindspore_to_torch_name, torch_to_mindspore_name)
 
 # torchvision's order of a BatchNorm's state_dict entries (MindSpore lists moving statistics first).
 TORCH_BN_ORDER = ("weight", "bias", "running_mean", "running_var", "num_batches_tracked")
@@ -49,137 +43,6 @@ DEFAULT_TOLERANCE = 1e-5
 LISTED_NAMES = 8  # unmatched names shown in the one-line error (all of them are in the exception's lists)
 
 
-def is_batchnorm_module(module: str) -> bool:
-    return bool(_BN_MODULE.search(module))
-
-
-def torch_to_mindspore_name(name: str) -> Optional[str]:
-    """MindSpore name of a torch state_dict key; None for entries MindSpore has no place for."""
-    module, _, field_name = name.rpartition(".")
-    if not is_batchnorm_module(module):
-        return name
-    if field_name == "num_batches_tracked":
-        return None
-    return f"{module}.{TORCH_TO_MS_BN[field_name]}" if field_name in TORCH_TO_MS_BN else name
-
-
-def mindspore_to_torch_name(name: str) -> str:
-    module, _, field_name = name.rpartition(".")
-    if is_batchnorm_module(module) and field_name in MS_TO_TORCH_BN:
-        return f"{module}.{MS_TO_TORCH_BN[field_name]}"
-    return name
-
-
-# ------------------------------------------------------------------------------------------- reading a .pth
-
-@dataclass
-class TorchStateDict:
-    """The tensors of a .pth by torch name ('module.' removed), and what was done to get them."""
-    arrays: Dict[str, np.ndarray]
-    notes: List[str] = field(default_factory=list)
-
-
-def _tensor_to_numpy(name: str, value: Any, path: str) -> np.ndarray:
-    tensor = value.detach().cpu()
-    if str(tensor.dtype) == "torch.bfloat16":  # numpy has no bfloat16; float32 holds every bfloat16 exactly
-        tensor = tensor.float()
-    try:
-        return tensor.numpy()
-    except (TypeError, RuntimeError) as exc:  # quantized, sparse or other layouts numpy cannot take
-        raise UserError(f"{path}: tensor {name} ({tensor.dtype}, {tensor.layout}) cannot be converted "
-                        f"({' '.join(str(exc).split())[:120]}); save a plain float state_dict") from None
-
-
-def _unwrap(loaded: object, path: str) -> TorchStateDict:
-    """The tensors of a loaded .pth: a bare state_dict or one wrapped in {'state_dict': ...} / {'model': ...},
-    with DataParallel/DDP 'module.' prefixes removed. Raises UserError for anything else."""
-    state, notes = loaded, []
-    for _ in range(2):  # e.g. {'model': {'state_dict': ...}}
-        if isinstance(state, Mapping):
-            key = next((key for key in WRAPPER_KEYS if isinstance(state.get(key), Mapping)), None)
-            if key is not None:
-                others = [str(other) for other in state if other != key]
-                notes.append(f"took the weights from the '{key}' entry" +
-                             (f" (ignored: {', '.join(others[:6])}{', ...' if len(others) > 6 else ''})"
-                              if others else ""))
-                state = state[key]
-    if not isinstance(state, Mapping) or not state:
-        raise UserError(f"{path} holds no state_dict (a mapping of parameter names to tensors); save one with "
-                        "torch.save(model.state_dict(), path)")
-    arrays: Dict[str, np.ndarray] = {}
-    skipped, prefixed, widened = [], 0, 0
-    for key, value in state.items():
-        if not hasattr(value, "detach"):
-            skipped.append(str(key))  # e.g. an epoch number or optimizer settings next to the weights
-            continue
-        widened += str(getattr(value, "dtype", "")) == "torch.bfloat16"
-        name = str(key)
-        if name.startswith("module."):  # DataParallel / DistributedDataParallel
-            name, prefixed = name[len("module."):], prefixed + 1
-        if name in arrays:
-            raise UserError(f"{path} holds {name} twice (with and without the 'module.' prefix); save the "
-                            "state_dict of one model")
-        arrays[name] = _tensor_to_numpy(name, value, path)
-    if not arrays:
-        raise UserError(f"{path} holds no tensors; save one with torch.save(model.state_dict(), path)")
-    if prefixed:
-        notes.append(f"removed the DataParallel/DDP prefix 'module.' from {prefixed} names")
-    if widened:
-        notes.append(f"converted {widened} bfloat16 tensors to float32 (exact; numpy has no bfloat16)")
-    if skipped:
-        notes.append(f"ignored {len(skipped)} entries that are not tensors: {', '.join(skipped[:6])}")
-    return TorchStateDict(arrays, notes)
-
-
-def _damaged_zip_member(path: str) -> Optional[str]:
-    """The first member of a zip-format .pth whose CRC does not match, else None.
-
-    torch.load does not check the CRCs, so bytes overwritten inside a tensor would load silently.
-    """
-    try:
-        with zipfile.ZipFile(path) as archive:
-            return archive.testzip()
-    except (zipfile.BadZipFile, OSError, EOFError, ValueError, NotImplementedError):
-        return "(the archive's directory)"
-
-
-def load_torch_state_dict(path: str) -> TorchStateDict:
-    """Reads a PyTorch .pth with torch.load(weights_only=True): nothing in the file is executed.
-
-    Raises UserError for a missing file, a file that needs arbitrary unpickling, or a damaged one.
-    """
-    try:
-        import torch
-    except ImportError:
-        raise UserError(f"reading {path} needs PyTorch: pip install torch (requirements-dev.txt)") from None
-    if not Path(path).is_file():
-        raise UserError(f"PyTorch checkpoint {path} does not exist" +
-                        (" (it is a folder)" if Path(path).is_dir() else "") + "; check --pth_path")
-    if Path(path).stat().st_size == 0:
-        raise UserError(f"PyTorch checkpoint {path} is empty (0 bytes): the write was interrupted; use another copy")
-    if zipfile.is_zipfile(path):
-        member = _damaged_zip_member(path)
-        if member is not None:
-            raise UserError(f"{path} is damaged: {member} does not match its CRC; use another copy")
-    try:
-        with warnings.catch_warnings():  # e.g. "Detected pickle protocol 4": noise on the way to an error line
-            warnings.simplefilter("ignore")
-            loaded = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:  # noqa: BLE001 - torch raises UnpicklingError, RuntimeError, EOFError, KeyError ...
-        text = " ".join(str(exc).split())
-        if re.search(r"unsupported global", text, re.IGNORECASE):
-            # The weights-only unpickler met a reference to a Python class or function: loading it would
-            # run code from the file. Name what it asked for, never import it.
-            found = re.search(r"GLOBAL\s+([\w.]+)", text)
-            what = f" (it references {found.group(1)})" if found else ""
-            raise UserError(f"{path} needs arbitrary code to unpickle{what}: it stores Python objects, not only "
-                            "tensors, and was not loaded; if you trust it, re-save it with "
-                            "torch.save(model.state_dict(), path)") from None
-        raise UserError(f"{path} is damaged or not a PyTorch checkpoint ({type(exc).__name__}); use another "
-                        "copy of a file written by torch.save") from None
-    return _unwrap(loaded, path)
-
-
 # ------------------------------------------------------------------------------------ checked conversion
 
 @lru_cache(maxsize=None)
@@ -190,11 +53,6 @@ def expected_parameters(model_name: str, num_classes: int) -> Tuple[Tuple[str, T
     with no_init_parameters():  # names and shapes only: skip drawing 60M random numbers for resnet152
         net = build_resnet(model_name, num_classes)
     return tuple((param.name, tuple(int(d) for d in param.shape)) for param in net.get_parameters())
-
-
-def _architectures() -> Tuple[str, ...]:
-    from src.resnet import ARCHITECTURES
-    return tuple(ARCHITECTURES)
 
 
 @dataclass
@@ -231,12 +89,10 @@ def _pick_architecture(ms_shapes: Mapping[str, Tuple[int, ...]], path: str, mode
                        how_to_name: str) -> Tuple[str, str]:
     """(architecture, how to name it in messages): model_name if given and consistent with the names, else the
     architecture the block counts show, else the closest one by shared names."""
-    from src.checkpoint import architecture_of
     found = architecture_of(ms_shapes)
-    known = _architectures()
     if model_name is not None:
-        if model_name not in known:
-            raise UserError(f"unknown model_name {model_name!r}: choose one of {', '.join(known)}")
+        if model_name not in MODEL_NAMES:
+            raise UserError(f"unknown model_name {model_name!r}: choose one of {', '.join(MODEL_NAMES)}")
         if found is not None and found != model_name:
             raise UserError(f"{path} holds {found} weights, not {model_name}: pass {how_to_name} {found} or "
                             "leave it out to take the file's architecture")
@@ -244,8 +100,8 @@ def _pick_architecture(ms_shapes: Mapping[str, Tuple[int, ...]], path: str, mode
     if found is not None:
         return found, found
     # No architecture fits the block counts: compare against the closest one so the error lists what differs.
-    overlap = {name: len(set(ms_shapes) & {n for n, _ in expected_parameters(name, 10)}) for name in known}
-    best = max(known, key=lambda name: overlap[name])
+    overlap = {name: len(set(ms_shapes) & {n for n, _ in expected_parameters(name, 10)}) for name in MODEL_NAMES}
+    best = max(MODEL_NAMES, key=lambda name: overlap[name])
     if overlap[best] == 0:
         raise UserError(f"{path} is not a ResNet state_dict with torchvision's names (it holds "
                         f"{_some(sorted(ms_shapes), 4)}); convert a torchvision-style ResNet-18..152")
@@ -396,30 +252,8 @@ def _staging_path(final: Path) -> Path:
     return final.parent / f".unverified-{os.getpid()}-{final.name}"
 
 
-def save_torch_state_dict_atomic(weights: Mapping[str, np.ndarray], path: str) -> Path:
-    """torch.save of the arrays as tensors, under a temporary name in path's folder, then one rename."""
-    import torch
-    final = Path(path)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    state = {name: torch.from_numpy(np.array(value)) for name, value in weights.items()}  # owned, writable copies
-    handle, staging = tempfile.mkstemp(dir=final.parent, prefix=f".partial-{final.stem}-", suffix=final.suffix)
-    try:
-        with os.fdopen(handle, "wb") as out:
-            torch.save(state, out)
-            out.flush()
-            os.fsync(out.fileno())
-        umask = os.umask(0)  # mkstemp makes the file 0600; give it the mode a plain open() would
-        os.umask(umask)
-        os.chmod(staging, 0o666 & ~umask)
-        os.replace(staging, final)
-    finally:
-        Path(staging).unlink(missing_ok=True)
-    return final
-
-
 def _write_ckpt(conversion: Conversion, path: Path) -> None:
     import mindspore as ms
-    from src.checkpoint import save_checkpoint_atomic
     items = [{"name": name, "data": ms.Tensor(value)} for name, value in conversion.weights.items()]
     extra = {NUM_BATCHES_TRACKED_ENTRY: json.dumps(conversion.num_batches_tracked)} \
         if conversion.num_batches_tracked else None
@@ -482,7 +316,6 @@ def convert_ckpt_to_pth(ckpt_path: str, pth_path: str, model_name: Optional[str]
         import torch  # noqa: F401
     except ImportError:
         raise UserError(f"writing {pth_path} needs PyTorch: pip install torch (requirements-dev.txt)") from None
-    from src.checkpoint import read_checkpoint
     entries = read_checkpoint(ckpt_path)
     conversion = mindspore_to_torch_weights(entries, ckpt_path, model_name, num_classes)
     staging = _staging_path(final)
@@ -546,7 +379,6 @@ def compare_with_torchvision(pth_path: str, ckpt_path: str, model_name: str, num
     import torchvision
     import mindspore as ms
     from mindspore.nn.utils import no_init_parameters
-    from src.checkpoint import read_checkpoint
     from src.resnet import build_resnet
     from src.utils import apply_cpu_speed_setting
     apply_cpu_speed_setting()  # before MindSpore's first convolution (oneDNN reads it once)
