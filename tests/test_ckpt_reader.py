@@ -169,31 +169,47 @@ with open({sparse!r}, 'rb', buffering=0) as handle:
     while handle.readinto(chunk):
         pass
 
-# A checkpoint larger than MemFree as it is now, in MindSpore's own record layout with a CRC trailer: 64 MB
-# float32 tensors whose first element is their index and the rest zeros, left as holes in the file so that it
-# takes no disk space and no time to write.
-count = memfree() // (64 * 1024 * 1024) + 4
-crc = 0
-with open({ckpt!r}, 'wb') as handle:
-    for index in range(count):
-        content = np.zeros(16 * 1024 * 1024, np.float32)
-        content[0] = index
+# A checkpoint larger than MemFree, in MindSpore's own record layout with a CRC trailer: 64 MB float32 tensors
+# whose first element is their index and the rest zeros, left as holes in the file so that it takes no disk space
+# and no time to write. MemFree moves with the other processes on the machine, so the file grows until MindSpore's
+# own load_checkpoint refuses it (it checks the size against MemFree before reading).
+RECORD = 64 * 1024 * 1024
+data_end, count, crc = 0, 0, 0
+
+def grow_to(handle, size):
+    global data_end, count, crc
+    handle.seek(data_end)
+    handle.truncate()  # drops the old CRC trailer
+    while data_end < size:
+        content = np.zeros(RECORD // 4, np.float32)
+        content[0] = count
         record = Checkpoint()
         value = record.value.add()
-        value.tag, value.tensor.tensor_type = f'w{{index}}', 'Float32'
+        value.tag, value.tensor.tensor_type = f'w{{count}}', 'Float32'
         value.tensor.dims.append(content.size)
         value.tensor.tensor_content = content.tobytes()
         data = record.SerializeToString()
         crc = binascii.crc32(data, crc)
         handle.write(data[:-(content.nbytes - 4)])
-        handle.seek(content.nbytes - 4, os.SEEK_CUR)
+        data_end = handle.seek(content.nbytes - 4, os.SEEK_CUR)
+        count += 1
     handle.write(b'crc_num' + crc.to_bytes(10, 'big'))
-result = dict(size=os.path.getsize({ckpt!r}), free=memfree(), available=available_memory(), count=count)
-try:
-    ms.load_checkpoint({ckpt!r})
-    result['mindspore'] = 'loaded'
-except ValueError as exc:
-    result['mindspore'] = type(exc).__name__
+    handle.flush()
+
+result = dict(mindspore='not tried')
+with open({ckpt!r}, 'w+b') as handle:
+    for attempt in range(1, 5):
+        grow_to(handle, memfree() + 4 * RECORD)
+        result.update(attempts=attempt, size=os.path.getsize({ckpt!r}), free=memfree(),
+                      available=available_memory(), count=count)
+        if result['size'] <= result['free']:
+            continue
+        try:
+            ms.load_checkpoint({ckpt!r})
+            result['mindspore'] = 'loaded'
+        except ValueError as exc:
+            result['mindspore'] = type(exc).__name__
+            break
 entries = read_checkpoint({ckpt!r})
 result['ours'] = sorted(int(value.asnumpy()[0]) for value in entries.values())
 result['nonzero'] = sum(int(np.count_nonzero(value.asnumpy())) for value in entries.values())
