@@ -27,10 +27,9 @@ from src.resnet import BasicBlock, Bottleneck, ResNet
 # Activation layouts, numbered as native/onednn_conv.cc's Layout. MindSpore sees NHWC tensors as (N, H, W, C),
 # NCHW and BLOCKED (nChw16c or nChw8c: the same floats in blocks of channel_block() channels) as (N, C, H, W).
 NHWC, NCHW, BLOCKED = 0, 1, 2
-# FusedResNet's layout choices. auto: BLOCKED when every layer's channels fill whole blocks, else NHWC.
-# ResNet-50 inference, batch 32, 2 threads (python benchmark.py --modes eval --sizes 32,64,112,224
-# --inference_network fused-blocked, then fused-nhwc): BLOCKED ran 7 % faster at 32x32 and 40 % at 64x64,
-# and the two were within the machine's noise at 112x112 and 224x224.
+# FusedResNet's layout choices. auto: BLOCKED when every layer's channels fill whole blocks, else NHWC: oneDNN's
+# direct kernels on channel blocks beat its NHWC kernels at small inputs and are level at large ones (compare
+# with python benchmark.py --modes eval --inference_network fused-blocked, then fused-nhwc).
 LAYOUT_CHOICES = ("auto", "blocked", "nhwc")
 
 # Layer numbers and weights versions: unique in the process, so the native cache of packed weights

@@ -100,8 +100,8 @@ Block = Union[Type[BasicBlock], Type[Bottleneck]]
 
 class ZeroPad1(nn.Cell):
     """One row and column of zeros on each side of an (N, C, H, W) tensor, by concatenation: MindSpore's CPU Pad
-    kernel (nn.Pad) took about 9 ms for the stem's (32, 64, 16, 16) tensor here, 4 % of a ResNet-50 training step
-    at 32x32 (profiler), concatenation about 1.5 ms. Works with a dynamic batch size and exports to ONNX."""
+    kernel (nn.Pad) is slow for this small tensor and shows up in a 32x32 training step's profile, a concatenation
+    is cheap. Works with a dynamic batch size and exports to ONNX."""
 
     def construct(self, x):
         rows = ops.zeros_like(x[:, :, :1, :])

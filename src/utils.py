@@ -16,7 +16,7 @@ from src.errors import UserError, run_cli  # noqa: F401  (run_cli: the scripts' 
 from src.onednn_conv import native_thread_count, resolve_conv_implementation, set_native_threads
 
 # oneDNN picks slow reference kernels for MindSpore's 3x3/7x7 convolutions (plain NCHW tensors) on AVX-512
-# CPUs; capping it at AVX2 gives its im2col+GEMM kernels (about 80x on one conv, see README "Speed"). The
+# CPUs; capping it at AVX2 gives its far faster im2col+GEMM kernels (docs/performance.md). The
 # project's blocked-layout convolutions (src/onednn_conv.py) need no cap: they get the AVX-512 kernels.
 ONEDNN_ISA_VARIABLE = "ONEDNN_MAX_CPU_ISA"
 ONEDNN_ISA_DEFAULT = "AVX2"

@@ -35,10 +35,11 @@ HEAD = ("fc.weight", "fc.bias")
 # A .ckpt entry (a JSON string {BatchNorm module: count}) carrying torch's num_batches_tracked through a
 # conversion. A string is a scalar, so the project's loaders set it aside as training state.
 NUM_BATCHES_TRACKED_ENTRY = "torch_num_batches_tracked"
-# --verify's default bound on max|logits_ms - logits_torch| / max|logits_torch|. Measured here (README, "Converting
-# PyTorch weights"): float32 rounding gives at most 8e-7 at 224x224 and 2e-6 at 64x64 for ResNet-18..152, while a
-# mapping error moves the logits by 1e-2 or more (swapped BatchNorm fields 0.5-1.8, a flipped 3x3 kernel 2e-2) and
-# even BatchNorm eps 1e-4 instead of 1e-5 by 5e-4. 1e-5 sits 5x above the noise and 50x below the smallest of these.
+# --verify's default bound on max|logits_ms - logits_torch| / max|logits_torch|. Measured by the parity tests
+# (docs/checkpoints.md, "Converting PyTorch weights"): float32 rounding gives at most 8e-7 at 224x224 and 2e-6
+# at 64x64 for ResNet-18..152, while a mapping error moves the logits by 1e-2 or more (swapped BatchNorm fields
+# 0.5-1.8, a flipped 3x3 kernel 2e-2) and even BatchNorm eps 1e-4 instead of 1e-5 by 5e-4. 1e-5 sits 5x above
+# the noise and 50x below the smallest of these.
 DEFAULT_TOLERANCE = 1e-5
 LISTED_NAMES = 8  # unmatched names shown in the one-line error (all of them are in the exception's lists)
 
