@@ -161,6 +161,15 @@ def flip_one_byte(data: bytes) -> bytes:
     return data[:middle] + bytes([data[middle] ^ 0xFF]) + data[middle + 1:]
 
 
+def temp_files(folder: Path) -> List[str]:
+    """Paths under folder (recursively, relative to it) of src.atomic_file's temporary files and of the private
+    folders named after them: half-written work, which no write may leave behind."""
+    from src.atomic_file import TEMP_PREFIX
+    if not folder.exists():
+        return []
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.name.startswith(TEMP_PREFIX))
+
+
 def rel_diff(actual: np.ndarray, expected: np.ndarray) -> float:
     """max|actual - expected| / max|expected| (the relative measure of the parity and kernel tests)."""
     actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
