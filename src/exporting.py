@@ -1,20 +1,20 @@
 """Export of a trained network to MINDIR, ONNX or AIR, written atomically, with an optional check that the
 exported model computes what the network computes.
 
-The file is exported into a private folder under output_path/.partial/, verified there when asked, and only
-then renamed to its final name, so a failed or half-written export never sits under the final name.
+The file is exported under a temporary name in output_path (src.atomic_file), verified there when asked, and
+only then renamed to its final name, so a failed or half-written export never sits under the final name.
 """
 import logging
 import os
 import shutil
 import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from src.atomic_file import atomic_write
 from src.errors import UserError
 
 SUFFIXES: Dict[str, str] = {"MINDIR": ".mindir", "ONNX": ".onnx", "AIR": ".air"}
@@ -163,18 +163,10 @@ def verify_export(net, path: Path, file_format: str, image_size: Tuple[int, int]
     return differences
 
 
-def publish(staged: Path, final: Path) -> Path:
-    """Moves the staged export to its final name in one rename.
-
-    MindSpore makes exported files mode 0400 (owner read only). The file is made readable for everyone the
-    umask allows (still read-only) so that a serving process under another user can load it; a rename
-    replaces an older, read-only export without needing write permission on it.
-    """
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(staged, 0o444 & ~umask)
-    os.replace(staged, final)
-    return final
+# MindSpore makes exported files mode 0400 (owner read only). An export is made readable for everyone the umask
+# allows (still read-only) so that a serving process under another user can load it; the rename replaces an
+# older, read-only export without needing write permission on it.
+EXPORT_MODE = 0o444
 
 
 @dataclass
@@ -184,32 +176,39 @@ class ExportResult:
     differences: List[Difference]
 
 
+class _NotPublished(Exception):
+    """Verification failed: the export must not get its final name."""
+
+
 def export_network(net, final: Path, file_format: str, batch_size: int, image_size: Tuple[int, int],
                    dynamic_batch: bool = False, verify: bool = False, seed: int = 1,
                    runner_factory: Optional[Callable[[Path, str], Callable]] = None) -> ExportResult:
-    """Exports net to final (atomically); with verify, checks the staged file first and publishes it only
-    when every difference is within tolerance."""
-    from src.weights.files import PARTIAL_DIR
+    """Exports net to final (atomically, src.atomic_file); with verify, checks the written file first and
+    publishes it only when every difference is within tolerance."""
     net.set_train(False)  # BatchNorm with moving statistics: exporting the training graph is a classic mistake
     shape = input_shape(batch_size, image_size, dynamic_batch)
-    partial = final.parent / PARTIAL_DIR  # the folder train.py stages its checkpoints in: same filesystem
-    partial.mkdir(parents=True, exist_ok=True)
-    # A private folder per run: two exports to the same name cannot trip over each other's staging file.
-    staging_dir = Path(tempfile.mkdtemp(prefix=f"{final.stem}-", dir=partial))
+    differences: List[Difference] = []
+    final.parent.mkdir(parents=True, exist_ok=True)
     try:
-        staged = export_to(net, shape, staging_dir / final.stem, file_format)
-        differences: List[Difference] = []
-        if verify:
-            differences = verify_export(net, staged, file_format, image_size,
-                                        verify_batch_sizes(batch_size, dynamic_batch), seed,
-                                        runner=(runner_factory or exported_runner)(staged, file_format))
-            if not all(d.ok for d in differences):
-                return ExportResult(None, shape, differences)
-        return ExportResult(publish(staged, final), shape, differences)
-    finally:
-        # The private folder only: .partial itself stays, as train.py leaves it (removing it could race with
-        # a training run staging a checkpoint in the same output folder).
-        shutil.rmtree(staging_dir, ignore_errors=True)
+        with atomic_write(final, EXPORT_MODE) as temp:
+            # ms.export names its output itself and, for ONNX, chmods the folder it writes in to 0700: it writes
+            # into a private folder next to the temporary file (same file system), and the file moves from there.
+            staging_dir = temp.with_name(temp.name + ".d")
+            shutil.rmtree(staging_dir, ignore_errors=True)  # left by a killed process that had this PID
+            staging_dir.mkdir(mode=0o700)
+            try:
+                os.replace(export_to(net, shape, staging_dir / final.stem, file_format), temp)
+            finally:
+                shutil.rmtree(staging_dir, ignore_errors=True)
+            if verify:
+                differences = verify_export(net, temp, file_format, image_size,
+                                            verify_batch_sizes(batch_size, dynamic_batch), seed,
+                                            runner=(runner_factory or exported_runner)(temp, file_format))
+                if not all(d.ok for d in differences):
+                    raise _NotPublished()
+    except _NotPublished:
+        return ExportResult(None, shape, differences)
+    return ExportResult(final, shape, differences)
 
 
 def _finite(value: float) -> Optional[float]:

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import assert_one_line_error, read_ckpt_entries, run_script
+from conftest import assert_one_line_error, read_ckpt_entries, run_script, temp_files
 
 SMALL = ["--model_name", "resnet18", "--image_height", "32", "--image_width", "32"]
 
@@ -49,8 +49,7 @@ def exported_files(folder: Path):
 
 
 def nothing_staged(folder: Path) -> bool:
-    partial = folder / ".partial"
-    return not partial.exists() or not any(partial.iterdir())
+    return temp_files(folder) == []
 
 
 def expected_mode() -> int:
