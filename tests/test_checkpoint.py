@@ -9,10 +9,10 @@ import pytest
 
 import mindspore as ms
 
-from conftest import one_line_user_error
+from conftest import one_line_user_error, temp_files
 from src.errors import UserError
 from src.resnet import build_resnet
-from src.weights.files import PARTIAL_DIR, link_or_copy_atomic, read_checkpoint, save_checkpoint_atomic
+from src.weights.files import link_or_copy_atomic, read_checkpoint, save_checkpoint_atomic
 from src.weights.loading import load_weights_report, network_weights
 from src.weights.names import describe_weights
 
@@ -67,9 +67,7 @@ def test_save_checkpoint_atomic_writes_final_file_and_round_trips(tmp_path):
 
     assert Path(written) == target
     assert target.is_file() and target.stat().st_size > 0
-    staging = target.parent / PARTIAL_DIR
-    assert staging.is_dir() and list(staging.iterdir()) == []
-    assert sorted(p.name for p in target.parent.iterdir()) == sorted([PARTIAL_DIR, "model.ckpt"])
+    assert sorted(p.name for p in target.parent.iterdir()) == ["model.ckpt"]  # no temporary file left
 
     entries = read_checkpoint(str(target))
     assert set(entries) == set(arrays) | {"epoch_num", "model_name"}
@@ -113,9 +111,9 @@ def test_save_checkpoint_atomic_overwrites_and_interrupted_write_keeps_old_file(
 
     assert target.read_bytes() == good_bytes  # the final name never held the half-written file
     np.testing.assert_array_equal(read_checkpoint(str(target))["w"].asnumpy(), np.ones(4, np.float32))
-    # The next save clears the leftover and leaves the staging folder empty again.
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.ckpt"]  # the half-written file was removed
     save_checkpoint_atomic(as_save_list({"w": np.full(4, 5, np.float32)}), str(target))
-    assert list((tmp_path / PARTIAL_DIR).iterdir()) == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.ckpt"]
     np.testing.assert_array_equal(read_checkpoint(str(target))["w"].asnumpy(), np.full(4, 5, np.float32))
 
 
@@ -130,7 +128,7 @@ def test_link_or_copy_atomic_gives_identical_bytes(tmp_path):
     link_or_copy_atomic(source, destination)
     assert destination.read_bytes() == payload
     assert source.read_bytes() == payload
-    assert list((tmp_path / PARTIAL_DIR).iterdir()) == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["epoch001.ckpt", "last.ckpt"]
 
 
 def test_link_or_copy_atomic_replaces_existing_destination(tmp_path):
@@ -156,7 +154,8 @@ def test_link_or_copy_atomic_twice_with_the_same_pair_leaves_no_staging_file(tmp
     link_or_copy_atomic(source, destination)
     link_or_copy_atomic(source, destination)  # destination is already a link to source
     assert destination.read_bytes() == source.read_bytes()
-    assert list((tmp_path / PARTIAL_DIR).iterdir()) == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["epoch001.ckpt", "last.ckpt"]
+    assert temp_files(tmp_path) == []
 
 
 def test_link_or_copy_atomic_real_checkpoint_reads_back(tmp_path, resnet18_10):

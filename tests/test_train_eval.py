@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import FAST_ARGS, REPO, assert_one_line_error, read_ckpt_entries, run_script, script_env
+from conftest import FAST_ARGS, REPO, assert_one_line_error, read_ckpt_entries, run_script, script_env, temp_files
 from src.metrics_file import COLUMNS
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -36,8 +36,7 @@ def max_difference(path_a: Path, path_b: Path) -> float:
 
 
 def no_partial_files(folder: Path) -> bool:
-    partial = folder / ".partial"
-    return not partial.exists() or not any(partial.iterdir())
+    return temp_files(folder) == []
 
 
 # ---------------------------------------------------------------- train -> checkpoint -> eval (ResNet-50)

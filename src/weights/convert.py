@@ -11,7 +11,6 @@ MindSpore, torch and torchvision are imported inside the functions that use them
 refuses bad options without loading a framework.
 """
 import json
-import os
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -248,17 +247,12 @@ def mindspore_to_torch_weights(entries: Mapping[str, Any], path: str, model_name
 
 # ------------------------------------------------------------------------------------------------ writing
 
-def _staging_path(final: Path) -> Path:
-    """A hidden name in the destination folder (same filesystem, so os.replace is atomic)."""
-    return final.parent / f".unverified-{os.getpid()}-{final.name}"
-
-
-def _write_ckpt(conversion: Conversion, path: Path) -> None:
+def _write_ckpt(conversion: Conversion, path: Path, check: Optional[Callable[[Path], None]]) -> None:
     import mindspore as ms
     items = [{"name": name, "data": ms.Tensor(value)} for name, value in conversion.weights.items()]
     extra = {NUM_BATCHES_TRACKED_ENTRY: json.dumps(conversion.num_batches_tracked)} \
         if conversion.num_batches_tracked else None
-    save_checkpoint_atomic(items, str(path), append_dict=extra)
+    save_checkpoint_atomic(items, str(path), append_dict=extra, check=check)
 
 
 def _check_output(source: str, target: str, option: str, suffix: Optional[str] = None) -> Path:
@@ -275,7 +269,8 @@ def _check_output(source: str, target: str, option: str, suffix: Optional[str] =
 
 
 def _written(path: Path, write: Callable[[], None]) -> None:
-    """Runs write(), turning a failure of the file system (permissions, full disk) into one line."""
+    """Runs write() (the atomic write, the check before its rename included), turning a failure of the file
+    system (permissions, full disk) into one line."""
     try:
         write()
     except OSError as exc:
@@ -297,14 +292,8 @@ def convert_pth_to_ckpt(pth_path: str, ckpt_path: str, model_name: Optional[str]
     final = _check_output(pth_path, ckpt_path, "--ckpt_path", ".ckpt")
     state = load_torch_state_dict(pth_path)
     conversion = torch_to_mindspore_weights(state, pth_path, model_name, num_classes, drop_head)
-    staging = _staging_path(final)
-    try:
-        _written(final, lambda: _write_ckpt(conversion, staging))
-        if check is not None:
-            check(pth_path, str(staging), conversion)
-        _written(final, lambda: os.replace(staging, final))
-    finally:
-        staging.unlink(missing_ok=True)
+    checked = None if check is None else (lambda written: check(pth_path, str(written), conversion))
+    _written(final, lambda: _write_ckpt(conversion, final, checked))
     return conversion
 
 
@@ -319,14 +308,8 @@ def convert_ckpt_to_pth(ckpt_path: str, pth_path: str, model_name: Optional[str]
         raise UserError(f"writing {pth_path} needs PyTorch: pip install torch (requirements-dev.txt)") from None
     entries = read_checkpoint(ckpt_path)
     conversion = mindspore_to_torch_weights(entries, ckpt_path, model_name, num_classes)
-    staging = _staging_path(final)
-    try:
-        _written(final, lambda: save_torch_state_dict_atomic(conversion.weights, str(staging)))
-        if check is not None:
-            check(str(staging), ckpt_path, conversion)
-        _written(final, lambda: os.replace(staging, final))
-    finally:
-        staging.unlink(missing_ok=True)
+    checked = None if check is None else (lambda written: check(str(written), ckpt_path, conversion))
+    _written(final, lambda: save_torch_state_dict_atomic(conversion.weights, str(final), checked))
     return conversion
 
 

@@ -1,9 +1,9 @@
 """Weight files: reading and writing this project's .ckpt and PyTorch .pth files, and SHA-256 pins.
 
-Writes are atomic: a file is written under a temporary name and renamed into place, so a crash never leaves a
-half-written file under the final name; .ckpt files carry a CRC so that damage is detected on read. Every
-failure a user can cause (missing, empty, damaged or foreign file, too little memory, a SHA-256 that does not
-match) is a UserError of one line.
+Writes are atomic (src.atomic_file): a file is written under a temporary name and renamed into place, so a
+crash never leaves a half-written file under the final name; .ckpt files carry a CRC so that damage is detected
+on read. Every failure a user can cause (missing, empty, damaged or foreign file, too little memory, a SHA-256
+that does not match) is a UserError of one line.
 
 .ckpt files are read record by record (read_ckpt), in about the memory their tensors need. MindSpore 2.10's
 load_checkpoint reads the whole file, then refuses it when it is larger than MemFree
@@ -27,72 +27,69 @@ import math
 import os
 import re
 import shutil
-import tempfile
 import warnings
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO, Dict, Iterator, List, Mapping, Optional, Tuple
+from typing import Any, BinaryIO, Callable, Dict, Iterator, List, Mapping, Optional, Tuple
 
 import numpy as np
 from google.protobuf.message import DecodeError
 
+from src.atomic_file import atomic_write
 from src.errors import UserError
 from src.file_hash import file_digest
 
 # ------------------------------------------------------------------------------------------------ writing
 
-PARTIAL_DIR = ".partial"  # half-written files live here, never under their final name
+CHECKPOINT_MODE = 0o400  # MindSpore makes the checkpoints it saves owner-read-only, whatever the umask
 
 
-def save_checkpoint_atomic(source: Any, path: str, append_dict: Optional[Dict[str, Any]] = None) -> Path:
-    """Saves source (a Cell or a list of {'name', 'data'}) to path via a temporary file and one rename.
+def save_checkpoint_atomic(source: Any, path: str, append_dict: Optional[Dict[str, Any]] = None,
+                           check: Optional[Callable[[Path], None]] = None) -> Path:
+    """Saves source (a Cell or a list of {'name', 'data'}) to path (a .ckpt) atomically (src.atomic_file), read-only
+    (0400) as MindSpore leaves it; check, when given, runs on the written file before the rename.
 
     The file carries a CRC so that damage is detected on load.
     """
     import mindspore as ms
     final = Path(path)
-    staging_dir = final.parent / PARTIAL_DIR
-    staging_dir.mkdir(parents=True, exist_ok=True)
-    staging = staging_dir / final.name
-    staging.unlink(missing_ok=True)
-    ms.save_checkpoint(source, str(staging), append_dict=append_dict, crc_check=True)
-    os.replace(staging, final)
+    if final.suffix != ".ckpt":
+        raise ValueError(f"{final}: a checkpoint's name must end in .ckpt (MindSpore would add it)")
+    final.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_write(final, CHECKPOINT_MODE, apply_umask=False) as temp:
+        try:
+            ms.save_checkpoint(source, str(temp), append_dict=append_dict, crc_check=True)
+        finally:
+            temp.with_suffix(".tmp").unlink(missing_ok=True)  # MindSpore's own temporary name, after a failure
+        if check is not None:
+            check(temp)
     return final
 
 
 def link_or_copy_atomic(source: Path, destination: Path) -> None:
-    """Makes destination a copy of source (a hard link where possible), replacing it in one rename."""
-    staging = destination.parent / PARTIAL_DIR / destination.name
-    staging.parent.mkdir(parents=True, exist_ok=True)
-    staging.unlink(missing_ok=True)
-    try:
-        os.link(source, staging)
-    except OSError:
-        shutil.copyfile(source, staging)
-    os.replace(staging, destination)
-    # Renaming a hard link onto another link of the same file is a no-op that leaves the staging name.
-    staging.unlink(missing_ok=True)
+    """Makes destination a copy of source (a hard link where possible), replacing it in one rename. The
+    permissions are those of the link (source's) or of the copy (as a plain open() gives)."""
+    with atomic_write(destination, mode=None) as temp:
+        try:
+            os.link(source, temp)
+        except OSError:
+            shutil.copyfile(source, temp)
 
 
-def save_torch_state_dict_atomic(weights: Mapping[str, np.ndarray], path: str) -> Path:
-    """torch.save of the arrays as tensors, under a temporary name in path's folder, then one rename."""
+def save_torch_state_dict_atomic(weights: Mapping[str, np.ndarray], path: str,
+                                 check: Optional[Callable[[Path], None]] = None) -> Path:
+    """torch.save of the arrays as tensors to path atomically (src.atomic_file), with a plain open()'s
+    permissions; check, when given, runs on the written file before the rename."""
     import torch
     final = Path(path)
     final.parent.mkdir(parents=True, exist_ok=True)
     state = {name: torch.from_numpy(np.array(value)) for name, value in weights.items()}  # owned, writable copies
-    handle, staging = tempfile.mkstemp(dir=final.parent, prefix=f".partial-{final.stem}-", suffix=final.suffix)
-    try:
-        with os.fdopen(handle, "wb") as out:
+    with atomic_write(final) as temp:
+        with open(temp, "wb") as out:
             torch.save(state, out)
-            out.flush()
-            os.fsync(out.fileno())
-        umask = os.umask(0)  # mkstemp makes the file 0600; give it the mode a plain open() would
-        os.umask(umask)
-        os.chmod(staging, 0o666 & ~umask)
-        os.replace(staging, final)
-    finally:
-        Path(staging).unlink(missing_ok=True)
+        if check is not None:
+            check(temp)
     return final
 
 
