@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Callable, Dict, List
 
 from src.architectures import MODEL_NAMES as ARCHITECTURES  # not src.resnet's: it would load MindSpore
+from src.atomic_file import write_text_atomic
 from src.benchmark import (GEMM_BACKENDS, Measurement, flops_per_image, forward_macs, forward_macs_in_subprocess,
                            measure_gemm_here, measure_gemm_in_subprocess, measure_here, measure_in_subprocess, table,
                            to_json)
@@ -171,7 +172,7 @@ def main() -> int:
         environment["torch"] = torch_version
     print(" ".join(f"{k}={v}" for k, v in environment.items()))
     print(table(measurements, gemms, args.model_name))
-    output.write_text(json.dumps(to_json(measurements, environment, gemms, macs), indent=2) + "\n")
+    write_text_atomic(output, json.dumps(to_json(measurements, environment, gemms, macs), indent=2) + "\n")
     return 0
 
 

@@ -2,7 +2,6 @@
 confusion matrix, summed over all ranks of a distributed job."""
 import json
 import logging
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, Sequence
@@ -11,6 +10,7 @@ import numpy as np
 import mindspore as ms
 from mindspore import nn
 
+from src.atomic_file import write_text_atomic
 from src.collectives import all_reduce_sum
 
 
@@ -96,10 +96,7 @@ def evaluate(net: nn.Cell, dataset, class_num: int, group_size: int = 1) -> Eval
 
 
 def write_json_atomic(values: Dict, path: Path) -> Path:
-    staging = path.with_name(f".{path.name}.partial")
-    staging.write_text(json.dumps(values, indent=2) + "\n", encoding="utf-8")
-    os.replace(staging, path)
-    return path
+    return write_text_atomic(path, json.dumps(values, indent=2) + "\n")
 
 
 def run_evaluation(config, env, logger: logging.Logger) -> Dict:

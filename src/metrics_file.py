@@ -1,9 +1,10 @@
 """metrics.csv: one row per epoch, rewritten atomically so a crash never leaves a half-written file."""
 import csv
 import io
-import os
 from pathlib import Path
 from typing import Dict, List, Optional
+
+from src.atomic_file import write_text_atomic
 
 COLUMNS = ("epoch", "lr", "train_loss", "eval_loss", "top1", "top5", "epoch_seconds", "images_per_second")
 
@@ -30,9 +31,7 @@ class MetricsFile:
         writer = csv.DictWriter(text, fieldnames=COLUMNS, lineterminator="\n")
         writer.writeheader()
         writer.writerows(self.rows)
-        staging = self.path.with_name(f".{self.path.name}.partial")
-        staging.write_text(text.getvalue(), encoding="utf-8")
-        os.replace(staging, self.path)
+        write_text_atomic(self.path, text.getvalue())
 
 
 def _format(value: object) -> str:

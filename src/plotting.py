@@ -1,5 +1,4 @@
-"""PNG figures: training curves from metrics.csv and a confusion matrix. Written atomically."""
-import os
+"""PNG figures: training curves from metrics.csv and a confusion matrix. Written atomically (src.atomic_file)."""
 from pathlib import Path
 from typing import Dict, List, Sequence
 
@@ -9,12 +8,15 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 import numpy as np  # noqa: E402
 
+from src.atomic_file import atomic_write  # noqa: E402
+
 
 def _save_atomic(figure, path: Path) -> Path:
-    staging = path.with_name(f".{path.name}.partial.png")
-    figure.savefig(staging, dpi=100)
-    plt.close(figure)
-    os.replace(staging, path)
+    try:
+        with atomic_write(path) as temp:
+            figure.savefig(temp, dpi=100, format="png")
+    finally:
+        plt.close(figure)
     return path
 
 
