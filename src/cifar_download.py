@@ -1,64 +1,34 @@
 """Downloads the CIFAR-10 binary archive, checks its MD5 and extracts it into the data folder.
 
-Nothing half-done is left under a final name: the archive is written as *.part and removed unless its
-MD5 matches, and the extracted folder is moved into place in one rename.
+Nothing half-done is left under a final name: the archive is downloaded through src.download (a temporary
+name, removed unless its MD5 matches), and the extracted folder is moved into place in one rename.
 """
-import hashlib
 import logging
 import os
 import shutil
 import tarfile
 import tempfile
-import urllib.error
 import urllib.parse
-import urllib.request
 from pathlib import Path
 
 from src.dataset import TRAIN_FILES
+from src.download import download
 from src.errors import UserError
 from src.file_hash import file_digest
 
 ARCHIVE_FOLDER = "cifar-10-batches-bin"  # the folder inside the official archive
-CHUNK_BYTES = 1 << 20
 
 
 def file_md5(path: Path) -> str:
     return file_digest(path, "md5")
 
 
-def download_file(url: str, destination: Path, md5: str, logger: logging.Logger, timeout: float = 60.0) -> Path:
-    """Downloads url to destination, keeping it only if its MD5 is md5. Raises UserError otherwise."""
-    partial = destination.with_name(destination.name + ".part")
-    digest = hashlib.md5()
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as response, open(partial, "wb") as out:
-            total = int(response.headers.get("Content-Length") or 0)
-            done, next_report = 0, 0.1
-            while True:
-                chunk = response.read(CHUNK_BYTES)
-                if not chunk:
-                    break
-                out.write(chunk)
-                digest.update(chunk)
-                done += len(chunk)
-                if total and done / total >= next_report:
-                    logger.info("downloaded %.0f%% of %s (%d MB)", 100 * done / total, url, total >> 20)
-                    next_report += 0.1
-    except (urllib.error.URLError, OSError, ValueError) as exc:
-        partial.unlink(missing_ok=True)
-        reason = getattr(exc, "reason", exc)
-        raise UserError(f"could not download {url} to {destination}: {reason}; download and extract it by hand "
-                        "into data_path, or check dataset_url") from None
-    if digest.hexdigest() != md5.lower():
-        partial.unlink(missing_ok=True)
-        raise UserError(f"download of {url} has MD5 {digest.hexdigest()}, expected {md5}: the file is damaged or "
-                        "not the CIFAR-10 binary archive and was removed; try again or check dataset_url/dataset_md5")
-    os.replace(partial, destination)
-    return destination
-
-
 def extract_cifar_archive(archive: Path, data_path: Path) -> Path:
-    """Extracts the archive's cifar-10-batches-bin folder to data_path, in one rename at the end."""
+    """Extracts the archive's cifar-10-batches-bin folder to data_path, in one rename at the end.
+
+    A folder, not a file, so src.atomic_file does not fit: it is extracted into a private .extract-* folder next
+    to data_path (same file system) and renamed as a whole.
+    """
     staging = Path(tempfile.mkdtemp(prefix=".extract-", dir=data_path.parent))
     try:
         try:
@@ -93,6 +63,9 @@ def download_cifar10(data_path: str, url: str, md5: str, logger: logging.Logger)
             raise UserError(f"{archive} is there but its MD5 is not {md5}: delete it so it is downloaded again")
     else:
         logger.info("downloading CIFAR-10 from %s to %s", url, archive)
-        download_file(url, archive, md5, logger)
+        download(url, archive, "md5", md5, logger,
+                 fix_unreachable="download and extract it by hand into data_path, or check dataset_url",
+                 expected_file="not the CIFAR-10 binary archive",
+                 fix_mismatch="try again or check dataset_url/dataset_md5")
     logger.info("extracting %s to %s", archive, target)
     return extract_cifar_archive(archive, target)

@@ -15,7 +15,7 @@ from typing import Dict, List
 import numpy as np
 import pytest
 
-from conftest import FAST_ARGS, assert_one_line_error, flip_one_byte, run_script
+from conftest import FAST_ARGS, assert_one_line_error, flip_one_byte, run_script, temp_files
 from local_http import LocalServer, no_proxy_for_localhost  # noqa: F401 (an autouse fixture)
 from src.cifar_download import ARCHIVE_FOLDER, download_cifar10, file_md5
 from src.dataset import FILE_BYTES, RECORD_BYTES, RECORDS_PER_FILE, TEST_FILE, TRAIN_FILES
@@ -81,11 +81,10 @@ def data_path(tmp_path) -> Path:
 
 
 def leftovers(folder: Path) -> List[str]:
-    """Names in folder (recursively) that look like half-done work: *.part files or .extract-* folders."""
+    """Names in folder (recursively) that look like half-done work: temporary files or .extract-* folders."""
     if not folder.exists():
         return []
-    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*")
-                  if p.name.endswith(".part") or p.name.startswith(".extract-"))
+    return sorted(set(temp_files(folder)) | {str(p.relative_to(folder)) for p in folder.rglob(".extract-*")})
 
 
 # ---------------------------------------------------------------- download_cifar10 against the local server
@@ -155,7 +154,7 @@ def test_corrupted_download_is_refused_and_removed(server, data_path):
     assert "\n" not in message
     assert server.requests == [f"/{ARCHIVE_NAME}"]
     assert not data_path.exists()
-    assert list(data_path.parent.iterdir()) == []  # no archive, no .part, no staging folder
+    assert list(data_path.parent.iterdir()) == []  # no archive, no temporary file, no staging folder
 
 
 @pytest.mark.parametrize("failure", ["404", "refused"])
@@ -246,6 +245,29 @@ def test_data_path_holding_other_files_is_refused_before_downloading(server, dat
     assert sorted(p.name for p in data_path.iterdir()) == ["notes.txt"]
 
 
+def test_a_prefix_of_the_md5_is_not_enough(server, data_path):
+    """dataset_md5 is the whole digest: unlike a SHA-256 pin, a prefix of it does not pass."""
+    archive_bytes = make_archive(small_cifar_files())
+    url = server.serve(archive_bytes)
+
+    with pytest.raises(UserError) as info:
+        download_cifar10(str(data_path), url, md5_of(archive_bytes)[:8], LOGGER)
+
+    assert "MD5" in str(info.value) and md5_of(archive_bytes) in str(info.value)
+    assert list(data_path.parent.iterdir()) == []
+
+
+def test_truncated_download_is_refused_and_removed(server, data_path):
+    archive_bytes = make_archive(small_cifar_files())
+    url = server.serve(archive_bytes, declared_length=len(archive_bytes) + 1000)
+
+    with pytest.raises(UserError) as info:
+        download_cifar10(str(data_path), url, md5_of(archive_bytes), LOGGER)
+
+    assert url in str(info.value) and "stopped after" in str(info.value) and "\n" not in str(info.value)
+    assert list(data_path.parent.iterdir()) == []
+
+
 def test_file_md5_matches_hashlib(tmp_path):
     content = random.Random(5).randbytes(3 * (1 << 20) + 17)  # more than one read chunk
     path = tmp_path / "blob"
@@ -302,6 +324,6 @@ def test_train_with_corrupted_download_fails_in_one_line(server, tmp_path, full_
     assert server.requests == [f"/{ARCHIVE_NAME}"]
     data_parent = tmp_path / "data"
     assert not (data_parent / ARCHIVE_FOLDER).exists()
-    assert not data_parent.exists() or list(data_parent.iterdir()) == []  # no archive, .part or staging folder
+    assert not data_parent.exists() or list(data_parent.iterdir()) == []  # no archive, temporary file or folder
     assert list(tmp_path.rglob("*.ckpt")) == []
     assert not (tmp_path / "out" / "metrics.csv").exists()

@@ -1,5 +1,6 @@
-"""The import structure of src: no import cycle among its modules, imports inside functions included, and the
-weights code in layers that import one way only: names <- files <- loading, convert <- pretrained.
+"""The import structure of src: no import cycle among its modules, imports inside functions included, the
+weights code in layers that import one way only: names <- files <- loading, convert <- pretrained, and the file
+helpers (atomic_file, download) importing nothing project-specific but src.errors.
 
 The imports are read from the source (ast), so nothing is imported here and an import hidden in a function
 counts like one at the top of a module.
@@ -18,6 +19,11 @@ WEIGHTS_LAYERS: Dict[str, Set[str]] = {
     "src.weights.loading": {"src.weights.names", "src.weights.files"},
     "src.weights.convert": {"src.weights.names", "src.weights.files"},
     "src.weights.pretrained": {"src.weights.names", "src.weights.files", "src.weights.loading"},
+}
+# Helpers every writer and downloader uses (src.weights included): they import no more of src than this.
+HELPERS: Dict[str, Set[str]] = {
+    "src.atomic_file": set(),
+    "src.download": {"src.atomic_file", "src.errors"},
 }
 # The applications built on the weights code, which it must not reach back into.
 APPLICATIONS = {"src.trainer", "src.evaluation", "src.exporting", "src.inference"}
@@ -103,6 +109,12 @@ def test_weights_layers_import_one_way():
         inside = graph[module] & weights
         assert inside <= WEIGHTS_LAYERS[module], f"{module} imports {sorted(inside - WEIGHTS_LAYERS[module])}"
         assert not graph[module] & APPLICATIONS, f"{module} imports {sorted(graph[module] & APPLICATIONS)}"
+
+
+def test_file_helpers_import_nothing_project_specific():
+    graph = import_graph()
+    for module, allowed in HELPERS.items():
+        assert graph[module] <= allowed, f"{module} imports {sorted(graph[module] - allowed)}"
 
 
 def test_weight_names_need_no_framework():

@@ -22,8 +22,8 @@ from local_http import NO_PROXY, LocalServer, no_proxy_for_localhost  # noqa: F4
 from src.errors import UserError
 from src.model_utils.config import load_config
 from src.resnet import build_resnet
-from src.weights.pretrained import (REGISTRY_PATH, download, fetch, hash_in_file_name, load_pretrained, read_registry,
-                                    resolve_pretrained)
+from src.weights.pretrained import (REGISTRY_PATH, download_weights, fetch, hash_in_file_name, load_pretrained,
+                                    read_registry, resolve_pretrained)
 
 LOGGER_NAME = "test_pretrained"
 
@@ -122,7 +122,7 @@ def test_download_with_hash_in_name_is_verified_and_cached(server, tmp_path, log
     path, still = resolve_pretrained(url, "resnet18", str(cache), "", logger)
 
     assert Path(path) == cache / name and Path(path).read_bytes() == data and still == ""
-    assert files_in(cache) == [name]  # no .part left
+    assert files_in(cache) == [name]  # no temporary file left
     assert "verified" in caplog.text
     # Second time: from the cache, checked again, no request.
     resolve_pretrained(url, "resnet18", str(cache), "", logger)
@@ -203,9 +203,9 @@ def test_interrupted_download_leaves_no_partial_file(server, tmp_path, logger, m
                 raise KeyboardInterrupt
             self.inner.update(chunk)
 
-    monkeypatch.setattr("src.weights.pretrained.hashlib.sha256", Interrupting)
+    monkeypatch.setattr("src.download.hashlib.new", lambda algorithm: Interrupting())
     with pytest.raises(KeyboardInterrupt):
-        download(url, tmp_path / "weights.pth", "", logger)
+        download_weights(url, tmp_path / "weights.pth", "", logger)
     assert files_in(tmp_path) == []
 
 
@@ -389,7 +389,7 @@ def test_train_refuses_a_damaged_download_in_one_line(server, cifar_dir, tmp_pat
                          ["--pretrained", url, "--pretrained_cache_dir", str(cache)], env=NO_PROXY)
     assert_one_line_error(process, url, "SHA-256", prefix, "removed")
     assert server.requests == [f"/resnet18-{prefix}.pth"]
-    assert files_in(cache) == []  # no weights file, no .part
+    assert files_in(cache) == []  # no weights file, no temporary file
     assert list(tmp_path.rglob("*.ckpt")) == [] and not (tmp_path / "out" / "metrics.csv").exists()
 
 

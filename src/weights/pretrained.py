@@ -4,34 +4,31 @@
 - a file: this project's .ckpt, a PyTorch/torchvision .pth, a models-zoo or mindcv ResNet .ckpt;
 - a name from the registry file pretrained_weights.yaml (torchvision_imagenet), looked up by model_name;
 - an http(s) URL.
-Downloads go into pretrained_cache_dir: written as *.part, checked, then renamed into place; a file that fails
-its check is removed and the run stops with one line. The hash is --checkpoint_sha256 when given, else the
-registry's prefix, else (like torch.hub) the hex digits in a file name of the form NAME-<hex>.EXT. A cached file
-is checked again before each use. Loading goes through src.weights.loading.load_weights_report; when the file's
-head does not fit class_num, fc keeps its fresh initialisation.
+Downloads go into pretrained_cache_dir through src.download: written under a temporary name, checked, then
+renamed into place; a file that fails its check is removed and the run stops with one line. The hash is
+--checkpoint_sha256 when given, else the registry's prefix, else (like torch.hub) the hex digits in a file name
+of the form NAME-<hex>.EXT. A cached file is checked again before each use. Loading goes through
+src.weights.loading.load_weights_report; when the file's head does not fit class_num, fc keeps its fresh
+initialisation.
 """
 import difflib
-import hashlib
-import http.client
 import logging
 import os
 import re
-import urllib.error
 import urllib.parse
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, Optional, Tuple
 
 import yaml
 
+from src.download import download, shown_digest
 from src.errors import UserError
 from src.weights.files import file_sha256, is_torch_file, normalise_sha256, verify_sha256
 from src.weights.loading import LoadReport, load_weights_report
 
 REGISTRY_PATH = Path(__file__).resolve().parents[2] / "pretrained_weights.yaml"
 HASH_IN_FILE_NAME = re.compile(r"-([0-9a-f]{8,64})\.")  # torch.hub's convention, at least 8 hex digits
-CHUNK_BYTES = 1 << 20
 URL_SCHEMES = ("http://", "https://")
 
 
@@ -78,43 +75,15 @@ def hash_in_file_name(name: str) -> str:
     return match.group(1) if match else ""
 
 
-def _shown(expected: str) -> str:
-    return expected if len(expected) == 64 else f"{expected}... (a prefix)"
-
-
-def download(url: str, destination: Path, expected: str, logger: logging.Logger, timeout: float = 60.0) -> str:
-    """Downloads url to destination via a *.part file; keeps it only if its SHA-256 starts with expected (any
-    file when expected is ''). Returns the SHA-256. Raises UserError, leaving no partial file behind."""
-    partial = destination.with_name(f"{destination.name}.{os.getpid()}.part")  # one per process: ranks may race
-    digest = hashlib.sha256()
-    try:
-        try:
-            with urllib.request.urlopen(url, timeout=timeout) as response, open(partial, "wb") as out:
-                total = int(response.headers.get("Content-Length") or 0)
-                done, next_report = 0, 0.1
-                for chunk in iter(lambda: response.read(CHUNK_BYTES), b""):
-                    out.write(chunk)
-                    digest.update(chunk)
-                    done += len(chunk)
-                    if total and done / total >= next_report:
-                        logger.info("downloaded %.0f%% of %s (%.1f MB)", 100 * done / total, url, total / 2 ** 20)
-                        next_report += 0.1
-        except (urllib.error.URLError, http.client.HTTPException, OSError, ValueError) as exc:
-            reason = getattr(exc, "reason", None) or type(exc).__name__
-            raise UserError(f"could not download {url}: {reason}; check the URL and the network, or download the "
-                            f"file yourself into {destination.parent} (it is checked there) or anywhere and pass "
-                            "--pretrained FILE") from None
-        if total and done != total:
-            raise UserError(f"download of {url} stopped after {done} of {total} bytes and was removed; try again")
-        actual = digest.hexdigest()
-        if expected and not actual.startswith(expected):
-            raise UserError(f"download of {url} has SHA-256 {actual}, expected {_shown(expected)}: the file is "
-                            "damaged or not the published one and was removed; try again, or check the URL and "
-                            "--checkpoint_sha256")
-        os.replace(partial, destination)
-    finally:
-        partial.unlink(missing_ok=True)  # after a failure, an interruption, or the rename (then a no-op)
-    return actual
+def download_weights(url: str, destination: Path, expected: str, logger: logging.Logger) -> str:
+    """Downloads url to destination (src.download), kept only if its SHA-256 starts with expected (any file when
+    expected is ''). Returns the SHA-256. Raises UserError, leaving no file behind."""
+    return download(url, destination, "sha256", expected, logger, allow_prefix=True,
+                    fix_unreachable="check the URL and the network, or download the file yourself into "
+                                    f"{destination.parent} (it is checked there) or anywhere and pass "
+                                    "--pretrained FILE",
+                    expected_file="not the published one",
+                    fix_mismatch="try again, or check the URL and --checkpoint_sha256")
 
 
 def cache_path(url: str, cache_dir: str) -> Path:
@@ -131,8 +100,8 @@ def fetch(url: str, cache_dir: str, expected: str, logger: logging.Logger) -> Pa
     if destination.is_file():
         digest = file_sha256(destination)
         if expected and not digest.startswith(expected):
-            raise UserError(f"cached {destination} has SHA-256 {digest}, expected {_shown(expected)}: it is damaged "
-                            f"or another file; delete it so that {url} is downloaded again")
+            raise UserError(f"cached {destination} has SHA-256 {digest}, expected {shown_digest(expected)}: it is "
+                            f"damaged or another file; delete it so that {url} is downloaded again")
         logger.info("pretrained: using cached %s (SHA-256 %s%s)", destination, digest,
                     ", verified" if expected else "; nothing to check it against")
         return destination
@@ -142,9 +111,9 @@ def fetch(url: str, cache_dir: str, expected: str, logger: logging.Logger) -> Pa
         raise UserError(f"cannot create pretrained_cache_dir {destination.parent} ({exc.strerror}); set "
                         "--pretrained_cache_dir to a writable folder") from None
     logger.info("pretrained: downloading %s to %s", url, destination)
-    digest = download(url, destination, expected, logger)
+    digest = download_weights(url, destination, expected, logger)
     if expected:
-        logger.info("pretrained: SHA-256 %s verified (expected %s)", digest, _shown(expected))
+        logger.info("pretrained: SHA-256 %s verified (expected %s)", digest, shown_digest(expected))
     else:
         logger.info("pretrained: %s had no hash to check (no --checkpoint_sha256, no hash in its name); its SHA-256 "
                     "is %s: pass --checkpoint_sha256 %s to pin it", url, digest, digest)
