@@ -45,6 +45,9 @@ def write_synthetic_cifar(folder: str, seed: int = 0) -> Path:
     target = Path(folder)
     target.parent.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
+    # A folder, not a file, so src.atomic_file does not fit: the files go into a private .synthetic-* folder next
+    # to target (same file system), which gets target's name in one rename; a rename refuses a non-empty target
+    # folder, so ranks generating the data at once keep the first complete one.
     staging = Path(tempfile.mkdtemp(prefix=".synthetic-", dir=target.parent))
     try:
         for name in TRAIN_FILES + (TEST_FILE,):
