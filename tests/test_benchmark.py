@@ -49,7 +49,7 @@ def test_resnet50_at_224_counts_torchvisions_4_09_gmacs():
     assert round(macs / 1e9, 2) == 4.09  # torchvision's documented "4.09 GFLOPS" (multiply-adds)
 
 
-@pytest.mark.parametrize("model_name, size", [("resnet50", 32), ("resnet18", 64)])
+@pytest.mark.parametrize("model_name, size", [pytest.param("resnet50", 32, marks=pytest.mark.slow), ("resnet18", 64)])
 def test_count_follows_the_input_size_and_block_type(model_name, size):
     macs = forward_macs(model_name, size, 10)
     assert macs == analytic_macs(model_name, size, 10)
@@ -95,6 +95,7 @@ def test_rates_pool_phases_and_percentages_use_the_fastest_backend():
     assert [m["percent_of_gemm"] for m in result["measurements"]] == [50.0, 100.0]
 
 
+@pytest.mark.slow
 def test_end_to_end_run_writes_flop_rates_and_gemm_rates(tmp_path):
     output = tmp_path / "bench.json"
     process = run_script("benchmark.py", ["--sizes", "32", "--modes", "eval", "--model_name", "resnet18",
@@ -142,6 +143,7 @@ def test_bad_input_is_one_error_line(args, option):
 @pytest.mark.parametrize("requested, conv, ran", [("resnet", "onednn_blocked", "resnet"),
                                                   ("fused", "mindspore", "resnet"),
                                                   ("fused-nhwc", "onednn_blocked", "fused-nhwc")])
+@pytest.mark.slow
 def test_inference_network_records_the_cell_that_ran(requested, conv, ran):
     """--inference_network resnet times the ResNet cell itself; MindSpore's Conv2d can't be fused; fused-nhwc
     runs NHWC where the size alone would pick the blocked layout."""

@@ -324,7 +324,8 @@ def test_network_weights_refuses_shape_mismatch(resnet18_10):
 
 
 @pytest.mark.parametrize("model_name, class_num", [
-    ("resnet18", 10), ("resnet34", 3), ("resnet50", 10), ("resnet101", 7), ("resnet152", 2),
+    ("resnet18", 10), pytest.param("resnet34", 3, marks=pytest.mark.slow), ("resnet50", 10),
+    pytest.param("resnet101", 7, marks=pytest.mark.slow), pytest.param("resnet152", 2, marks=pytest.mark.slow),
 ])
 def test_describe_weights_identifies_architecture_and_class_count(model_name, class_num):
     params = shared_net(model_name, class_num).parameters_dict()

@@ -360,6 +360,7 @@ def test_zoo_bn_eps_follows_the_zoo_network():
     (ZOO, "resnet18", ZOO_RESNET18_NAMES), (ZOO, "resnet50", ZOO_RESNET50_NAMES),
     (MINDCV, "resnet18", MINDCV_RESNET18_NAMES), (MINDCV, "resnet50", MINDCV_RESNET50_NAMES),
 ])
+@pytest.mark.slow
 def test_foreign_checkpoint_loads_with_nothing_unmatched(foreign_checkpoints, logger, caplog, scheme, depth,
                                                          expected_names):
     path, source, values = foreign_checkpoints(scheme, depth)
@@ -413,6 +414,7 @@ def _conv_like(conv: nn.Conv2d, pad_mode: str) -> nn.Conv2d:
     return replacement
 
 
+@pytest.mark.slow
 def test_zoo_resnet50_differs_only_by_the_logged_padding(foreign_checkpoints, logger, caplog):
     path, source, _ = foreign_checkpoints(ZOO, "resnet50")
     net = build_resnet("resnet50", 10)
@@ -430,6 +432,7 @@ def test_zoo_resnet50_differs_only_by_the_logged_padding(foreign_checkpoints, lo
 
 
 @pytest.mark.parametrize("depth", ["resnet18", "resnet50"])
+@pytest.mark.slow
 def test_mindcv_differs_only_by_the_logged_max_pool(foreign_checkpoints, logger, caplog, depth):
     path, source, _ = foreign_checkpoints(MINDCV, depth)
     net = build_resnet(depth, 10)
@@ -489,6 +492,7 @@ def test_unmatched_entries_are_logged_not_loaded(tmp_path, logger, caplog):
 # ------------------------------------------------------------------------------------------- refusals
 
 
+@pytest.mark.slow
 def test_zoo_resnet50_into_resnet18_names_the_architecture(foreign_checkpoints, logger):
     path, _, _ = foreign_checkpoints(ZOO, "resnet50")
     net = build_resnet("resnet18", 10)
@@ -499,6 +503,7 @@ def test_zoo_resnet50_into_resnet18_names_the_architecture(foreign_checkpoints, 
     np.testing.assert_array_equal(net.conv1.weight.asnumpy(), before)
 
 
+@pytest.mark.slow
 def test_deeper_checkpoint_holding_every_name_is_still_refused(tmp_path, logger):
     """resnet34 has every resnet18 name with the same shapes: the architecture check must catch it."""
     path = tmp_path / "resnet34.ckpt"
@@ -510,6 +515,7 @@ def test_deeper_checkpoint_holding_every_name_is_still_refused(tmp_path, logger)
 
 
 @pytest.mark.parametrize("scheme", [ZOO, MINDCV])
+@pytest.mark.slow
 def test_foreign_head_mismatch_is_refused_unless_a_new_head_is_allowed(foreign_checkpoints, logger, caplog, scheme):
     path, _, values = foreign_checkpoints(scheme, "resnet18", 1000)
     net = build_resnet("resnet18", 10)
@@ -527,6 +533,7 @@ def test_foreign_head_mismatch_is_refused_unless_a_new_head_is_allowed(foreign_c
     assert "1000-class head, this run has 10 classes" in caplog.text and "re-initialised head" in caplog.text
 
 
+@pytest.mark.slow
 def test_same_class_count_loads_the_head_too(foreign_checkpoints, logger):
     path, _, values = foreign_checkpoints(MINDCV, "resnet18")
     net = build_resnet("resnet18", 10)
@@ -535,6 +542,7 @@ def test_same_class_count_loads_the_head_too(foreign_checkpoints, logger):
     np.testing.assert_array_equal(net.fc.weight.asnumpy(), values["classifier.weight"])
 
 
+@pytest.mark.slow
 def test_zoo_se_resnet_is_refused(tmp_path, logger):
     values = randomise(build_resnet("resnet50", 10), seed=13)
     se = {("conv1_0.weight" if n == "conv1.weight" else n.replace("downsample", "down_sample_layer")): v
@@ -549,6 +557,7 @@ def test_zoo_se_resnet_is_refused(tmp_path, logger):
 
 @pytest.mark.parametrize("pin, ok", [("", True), ("full", True), ("prefix", True), ("wrong", False),
                                      ("not-hex", False), ("abc", False)])
+@pytest.mark.slow
 def test_checkpoint_sha256_pin_on_load(foreign_checkpoints, logger, pin, ok):
     import hashlib
     path, _, _ = foreign_checkpoints(MINDCV, "resnet18")
@@ -586,6 +595,7 @@ def test_damaged_files_are_refused_in_one_line(tmp_path, logger, content):
     one_line_user_error(excinfo, str(path))
 
 
+@pytest.mark.slow
 def test_describe_weights_understands_converted_foreign_names(foreign_checkpoints):
     path, _, _ = foreign_checkpoints(ZOO, "resnet50")
     entries = read_ckpt_entries(path)

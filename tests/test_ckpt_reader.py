@@ -103,6 +103,7 @@ def test_a_foreign_file_is_not_a_checkpoint(tmp_path, content):
     assert "damaged" not in message
 
 
+@pytest.mark.slow
 def test_a_file_larger_than_available_memory_is_refused_with_the_numbers(tmp_path, cifar_dir):
     """A sparse file (no disk used) larger than MemAvailable: eval.py says it lacks memory, not that the file is
     damaged, in one line, before reading anything."""
@@ -134,6 +135,7 @@ except UserError as exc:
 """
 
 
+@pytest.mark.slow
 def test_an_allocation_that_fails_is_lack_of_memory(tmp_path):
     """A real MemoryError (the address space capped 32 MB above what the process uses, a 64 MB checkpoint)."""
     path = tmp_path / "big.ckpt"
@@ -217,6 +219,7 @@ print(json.dumps(result))
 """
 
 
+@pytest.mark.slow
 def test_a_checkpoint_larger_than_memfree_loads_when_memavailable_holds_it(tmp_path):
     """With the page cache filled for real, MemFree is smaller than the checkpoint and MemAvailable larger:
     MindSpore's own load_checkpoint refuses it (the premise), the project's reader loads every tensor.

@@ -126,6 +126,7 @@ def test_every_choice_key_has_a_valid_default():
         assert getattr(config, key) in allowed
 
 
+@pytest.mark.slow
 def test_importing_parses_nothing():
     # A module-level config parsed at import would choke on foreign argv; ours parses only when asked.
     code = "import sys; sys.argv = ['x', '--no_such_key', '1']; import src.model_utils.config, src.trainer; print('ok')"
@@ -133,6 +134,7 @@ def test_importing_parses_nothing():
     assert process.returncode == 0 and "ok" in process.stdout, process.stderr[-2000:]
 
 
+@pytest.mark.slow
 def test_help_lists_keys_and_exits_zero():
     process = subprocess.run([sys.executable, "train.py", "--help"], cwd=REPO, capture_output=True, text=True,
                              timeout=120)

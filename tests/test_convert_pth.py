@@ -82,6 +82,7 @@ def refuse(args: List[str], out: Path, *fragments: str, env=None) -> str:
 
 # ----------------------------------------------------------------------------------------- conversions
 
+@pytest.mark.slow
 def test_cli_converts_and_verifies(pth, state, tmp_path):
     """A bare state_dict converts; --verify compares logits with torchvision and passes; the .ckpt holds every
     weight bit for bit, torch's num_batches_tracked in a side entry, and nothing else is left in the folder."""
@@ -96,6 +97,7 @@ def test_cli_converts_and_verifies(pth, state, tmp_path):
     assert files_under(out.parent) == [out]  # no staging file left behind
 
 
+@pytest.mark.slow
 def test_round_trip_pth_ckpt_pth_is_bit_identical(pth, state, tmp_path):
     """.pth -> .ckpt -> .pth (--reverse, verified) gives the same keys in the same order, dtypes and bytes,
     num_batches_tracked included, and torchvision's load_state_dict(strict=True) accepts it."""
@@ -136,6 +138,7 @@ def test_wrapped_and_prefixed_files_convert_like_the_bare_state_dict(form, state
         assert "took the weights from the" in notes
 
 
+@pytest.mark.slow
 def test_drop_head_leaves_fc_out_and_says_so(pth, state, tmp_path):
     """--drop_head with another class count: the .ckpt has every weight but fc, stdout says so, and --verify
     (both networks then share torchvision's fresh 100-class head) still compares every converted weight."""
@@ -148,6 +151,7 @@ def test_drop_head_leaves_fc_out_and_says_so(pth, state, tmp_path):
     assert_ckpt_holds(out, state, skip=("fc.weight", "fc.bias"))
 
 
+@pytest.mark.slow
 def test_reverse_sets_training_state_aside(tmp_path):
     """A .ckpt with optimizer moments and resume fields next to the weights (as train.py writes) converts back;
     the training state is set aside and listed, num_batches_tracked becomes 0."""
@@ -216,6 +220,7 @@ class WritesMarker:
         return open, (self.marker, "w")
 
 
+@pytest.mark.slow
 def test_file_that_needs_unpickling_is_refused_and_not_executed(tmp_path, state):
     """A .pth holding a Python object whose unpickling runs code is refused in one line and nothing runs; the
     same file loaded the unsafe way would have created the marker (so the check can fail)."""
@@ -230,6 +235,7 @@ def test_file_that_needs_unpickling_is_refused_and_not_executed(tmp_path, state)
     assert marker.exists()
 
 
+@pytest.mark.slow
 def test_whole_pickled_model_is_refused(tmp_path):
     """torch.save(model) (a pickled nn.Module, not a state_dict) needs unpickling: refused, told how to re-save."""
     path = tmp_path / "whole_model.pth"
@@ -261,6 +267,7 @@ def _crc_broken(source: Path, target: Path) -> None:
     ("crc_broken", ["is damaged", "does not match its CRC"]),
     ("not_a_state_dict", ["holds no state_dict"]),
 ])
+@pytest.mark.slow
 def test_unreadable_pth_is_refused(case, fragments, pth, tmp_path):
     """Missing, empty, foreign, truncated or corrupted inputs: one line naming the file, exit 2, nothing written."""
     path = tmp_path / f"{case}.pth"
@@ -303,6 +310,7 @@ def _edited(state, edit: str) -> "OrderedDict[str, torch.Tensor]":
     ("none", ["--num_classes", "100"], ["10-class head", "--num_classes is 100", "--drop_head"]),
     ("none", ["--model_name", "resnet34"], ["holds resnet18 weights, not resnet34", "--model_name resnet18"]),
 ])
+@pytest.mark.slow
 def test_file_that_does_not_fit_is_refused(edit, args, fragments, state, tmp_path):
     """Unmatched names on either side (listed), a shape mismatch, a class count or architecture that disagrees
     with the file: refused in one line, nothing written."""
@@ -363,6 +371,7 @@ def test_verify_without_torchvision_is_refused(pth, tmp_path):
            env={"PYTHONPATH": str(fake)})
 
 
+@pytest.mark.slow
 def test_verify_above_tolerance_exits_1_and_writes_nothing(pth, tmp_path):
     """A forced failure (tolerance 1e-12, below float32 rounding): exit code 1, one line with the measured
     differences, and the .ckpt does not get its name."""
@@ -384,6 +393,7 @@ def test_verify_above_tolerance_exits_1_and_writes_nothing(pth, tmp_path):
     ("no_head", ["has no fc head", "--drop_head"]),
     ("missing_parameter", ["does not fit resnet18", "layer2.0.bn1.moving_mean"]),
 ])
+@pytest.mark.slow
 def test_reverse_refusals(case, fragments, pth, tmp_path):
     """--reverse of a damaged .ckpt, of one converted with --drop_head, or of one lacking a parameter."""
     source = tmp_path / "source.ckpt"

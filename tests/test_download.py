@@ -294,6 +294,7 @@ def train_args(tmp_path: Path, url: str, md5: str) -> List[str]:
             "--batch_size", "8", "--train_num_samples", "16", "--eval_num_samples", "8", *FAST_ARGS]
 
 
+@pytest.mark.slow
 def test_train_downloads_missing_data_then_trains(server, tmp_path, full_size_archives):
     good, md5, digests = full_size_archives
     url = server.serve(good)
@@ -313,6 +314,7 @@ def test_train_downloads_missing_data_then_trains(server, tmp_path, full_size_ar
     assert list((tmp_path / "out").glob("*.ckpt"))
 
 
+@pytest.mark.slow
 def test_train_with_corrupted_download_fails_in_one_line(server, tmp_path, full_size_archives):
     good, md5, _ = full_size_archives
     url = server.serve(flip_one_byte(good))

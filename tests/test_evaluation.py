@@ -190,6 +190,7 @@ def test_evaluate_is_deterministic(cifar_dir, net):
         assert other.loss_sum == first.loss_sum
 
 
+@pytest.mark.slow
 def test_evaluate_loss_equals_mean_of_independent_per_sample_losses(cifar_dir, net):
     dataset = make_dataset(cifar_dir)
     result = evaluate(net, dataset, CLASSES)

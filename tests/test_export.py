@@ -75,6 +75,7 @@ def run_export_script(checkpoint: Path, out: Path, *args: str, env=None):
 
 # ---------------------------------------------------------------- real exports, checked independently
 
+@pytest.mark.slow
 def test_mindir_export_verifies_and_reproduces_the_checkpoint(checkpoint, reference_net, tmp_path):
     import mindspore as ms
     from mindspore import nn
@@ -97,6 +98,7 @@ def test_mindir_export_verifies_and_reproduces_the_checkpoint(checkpoint, refere
     assert np.max(np.abs(exported - expected)) <= 1e-5
 
 
+@pytest.mark.slow
 def test_dynamic_batch_mindir_verifies_at_two_batch_sizes(checkpoint, reference_net, tmp_path):
     import mindspore as ms
     from mindspore import nn
@@ -115,6 +117,7 @@ def test_dynamic_batch_mindir_verifies_at_two_batch_sizes(checkpoint, reference_
     assert np.max(np.abs(graph(ms.Tensor(batch)).asnumpy() - reference_net(ms.Tensor(batch)).asnumpy())) <= 1e-5
 
 
+@pytest.mark.slow
 def test_onnx_export_verifies_through_onnxruntime(checkpoint, reference_net, tmp_path):
     import mindspore as ms
     onnxruntime = pytest.importorskip("onnxruntime")
@@ -135,6 +138,7 @@ def test_onnx_export_verifies_through_onnxruntime(checkpoint, reference_net, tmp
     assert np.max(np.abs(exported - reference_net(ms.Tensor(batch)).asnumpy())) <= 1e-4
 
 
+@pytest.mark.slow
 def test_resnet50_mindir_export_verifies(tmp_path):
     """The default architecture once (bottleneck blocks, about 95 MB of MINDIR); the dynamic batch is covered
     with resnet18 above."""
@@ -152,6 +156,7 @@ def test_resnet50_mindir_export_verifies(tmp_path):
 
 # ---------------------------------------------------------------- atomic writes and a failing --verify
 
+@pytest.mark.slow
 def test_a_second_export_replaces_the_read_only_first(reference_net, tmp_path):
     from src.exporting import export_network
     target = tmp_path / "model.mindir"
@@ -166,6 +171,7 @@ def test_a_second_export_replaces_the_read_only_first(reference_net, tmp_path):
     assert nothing_staged(tmp_path)
 
 
+@pytest.mark.slow
 def test_verify_detects_an_export_that_differs(reference_net, checkpoint, tmp_path):
     """An exported file checked against another network fails: the check is able to fail."""
     import mindspore as ms
@@ -180,6 +186,7 @@ def test_verify_detects_an_export_that_differs(reference_net, checkpoint, tmp_pa
     assert not different.ok and different.max_abs > 1e-2
 
 
+@pytest.mark.slow
 def test_failed_verify_exits_1_and_publishes_nothing(checkpoint, tmp_path, monkeypatch, capsys):
     import src.exporting as exporting
     from src.model_utils.config import load_config
@@ -213,8 +220,10 @@ def test_tolerance_rules():
 
 # ---------------------------------------------------------------- refusals: one line, exit code 2, nothing written
 
-@pytest.mark.parametrize("case", ["air_on_cpu", "onnx_dynamic", "missing_checkpoint", "damaged_checkpoint",
-                                  "no_checkpoint", "wrong_architecture"])
+# Each case starts export.py (a few seconds): air_on_cpu runs in the fast loop, the others are slow (pytest.ini).
+@pytest.mark.parametrize("case", [case if case == "air_on_cpu" else pytest.param(case, marks=pytest.mark.slow)
+                                  for case in ["air_on_cpu", "onnx_dynamic", "missing_checkpoint", "damaged_checkpoint",
+                                               "no_checkpoint", "wrong_architecture"]])
 def test_refusals(case, checkpoint, tmp_path):
     source = str(checkpoint)
     args = ["--file_format", "MINDIR"]
@@ -240,6 +249,7 @@ def test_refusals(case, checkpoint, tmp_path):
     assert not out.exists() or exported_files(out) == []
 
 
+@pytest.mark.slow
 def test_onnx_verify_without_onnxruntime_is_refused(checkpoint, tmp_path):
     shadow = tmp_path / "shadow" / "onnxruntime"  # an onnxruntime that fails to import, first on the path
     shadow.mkdir(parents=True)

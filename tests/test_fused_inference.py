@@ -38,6 +38,7 @@ def reference_logits(net_blocked: nn.Cell, model_name: str, images: np.ndarray) 
 @pytest.mark.parametrize("model_name, batch, size, layout", [
     ("resnet50", 4, 32, "auto"), ("resnet18", 3, 40, "auto"), ("resnet18", 2, 40, "nhwc"),
     ("resnet18", 2, 72, "nhwc")])
+@pytest.mark.slow
 def test_fused_network_computes_the_resnet_inference(model_name, batch, size, layout):
     """Equal to the plain MindSpore network (nn.Conv2d, BatchNorm, ReLU, add) to float rounding, on either layout
     (auto is blocked for ResNets); 40 and 72 give odd map sizes (20, 10, 5, 3; 9, 5, 3) at the pool and the
@@ -77,6 +78,7 @@ def test_refresh_takes_the_new_weights_and_statistics():
     assert rel_diff(after, reference_logits(net, "resnet18", images)) < 1e-5
 
 
+@pytest.mark.slow
 def test_two_fused_networks_keep_their_own_weights():
     """Same shapes, different weights, called alternately: each gives its own network's logits."""
     rng = np.random.default_rng(2)
@@ -137,6 +139,7 @@ fused(images).asnumpy()
 @pytest.mark.parametrize("model_name, size, choice, isa, convolutions, additions, relus", [
     ("resnet50", 32, "auto", None, 53, 16, 49), ("resnet50", 32, "auto", "AVX2", 53, 16, 49),
     ("resnet18", 72, "nhwc", None, 20, 8, 17)], ids=["resnet50-blocked", "resnet50-blocked-AVX2", "resnet18-nhwc"])
+@pytest.mark.slow
 def test_oneDNN_log_one_call_per_layer_and_no_reorders_after_the_first_pass(model_name, size, choice, isa,
                                                                              convolutions, additions, relus):
     """oneDNN's own log: one convolution a layer with BatchNorm folded (bias), ReLU and the residual additions as
@@ -181,6 +184,7 @@ print(set_native_threads(native_thread_count()))
 
 
 @pytest.mark.parametrize("threads", ["1", "2"])
+@pytest.mark.slow
 def test_the_native_pool_gets_the_users_thread_count_although_mindspore_overwrites_it(threads):
     env = dict(os.environ, OMP_NUM_THREADS=threads)
     process = subprocess.run([sys.executable, "-c", THREADS_SCRIPT], cwd=REPO, env=env, capture_output=True,
@@ -198,6 +202,7 @@ print(set_native_threads(2))  # the pool exists now: its size is what counts
 """
 
 
+@pytest.mark.slow
 def test_a_thread_count_set_after_the_pool_exists_reports_the_pools_size():
     process = subprocess.run([sys.executable, "-c", LATE_THREADS_SCRIPT], cwd=REPO, env=dict(os.environ),
                              capture_output=True, text=True, timeout=120)

@@ -76,16 +76,21 @@ def test_shellcheck_clean():
     ("run_distribute_train.sh", ["abc"], {}, ["DEVICE_NUM must be a positive integer, got 'abc'"]),
     ("run_distribute_train.sh", ["0"], {}, ["DEVICE_NUM must be a positive integer, got '0'"]),
     ("run_distribute_train.sh", ["-2"], {}, ["DEVICE_NUM"]),
-    ("run_distribute_train.sh", ["2", "/no/such/data"], {}, ["DATA_PATH /no/such/data does not exist"]),
-    ("run_distribute_train.sh", ["2", "{data}", "/no/such.yaml"], {}, ["CONFIG_PATH /no/such.yaml does not exist"]),
+    pytest.param("run_distribute_train.sh", ["2", "/no/such/data"], {}, ["DATA_PATH /no/such/data does not exist"],
+                 marks=pytest.mark.slow),  # slow: these start Python with MindSpore before they refuse
+    pytest.param("run_distribute_train.sh", ["2", "{data}", "/no/such.yaml"], {},
+                 ["CONFIG_PATH /no/such.yaml does not exist"], marks=pytest.mark.slow),
     ("run_distribute_train.sh", ["2", "{data}", "{yaml}", "extra"], {}, ["too many arguments"]),
     ("run_distribute_train.sh", ["2"], {"NODE_NUM": "2"}, ["needs MASTER_ADDR"]),
     ("run_distribute_train.sh", ["2"], {"NODE_NUM": "2", "NODE_RANK": "2", "MASTER_ADDR": "10.0.0.1"},
      ["NODE_RANK must be 0..1"]),
     ("run_distribute_train.sh", ["2"], {"RANK_TABLE_FILE": "/no/hccl.json"}, ["RANK_TABLE_FILE /no/hccl.json"]),
-    ("run_distribute_train.sh", ["2", "--lr_shedule", "cosine"], {}, ["unknown config key 'lr_shedule'"]),
-    ("run_standalone_train.sh", ["/no/such/data"], {}, ["DATA_PATH /no/such/data does not exist"]),
-    ("run_standalone_train.sh", ["--batch_size", "abc"], {}, ["batch_size", "integer"]),
+    pytest.param("run_distribute_train.sh", ["2", "--lr_shedule", "cosine"], {}, ["unknown config key 'lr_shedule'"],
+                 marks=pytest.mark.slow),
+    pytest.param("run_standalone_train.sh", ["/no/such/data"], {}, ["DATA_PATH /no/such/data does not exist"],
+                 marks=pytest.mark.slow),
+    pytest.param("run_standalone_train.sh", ["--batch_size", "abc"], {}, ["batch_size", "integer"],
+                 marks=pytest.mark.slow),
     ("run_standalone_train.sh", [], {"PYTHON": "/no/python"}, ["no Python with MindSpore"]),
     ("run_eval.sh", ["{data}"], {}, ["DATA_PATH and CHECKPOINT_PATH are required"]),
     ("run_eval.sh", ["{data}", "/no/model.ckpt"], {}, ["CHECKPOINT_PATH /no/model.ckpt does not exist"]),
@@ -104,6 +109,7 @@ def test_no_arguments_is_a_usage_error(script):
     assert process.returncode == 2 and "usage:" in process.stderr
 
 
+@pytest.mark.slow
 def test_standalone_launcher_exits_with_the_jobs_exit_code(tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()
@@ -114,6 +120,7 @@ def test_standalone_launcher_exits_with_the_jobs_exit_code(tmp_path):
 
 # ---------------------------------------------------------------- real runs
 
+@pytest.mark.slow
 def test_standalone_train_then_run_eval(cifar_dir, tmp_path, decoy_path):
     out = tmp_path / "out"
     process = launch("run_standalone_train.sh", [cifar_dir, "--output_path", out, "--epoch_size", "1",
@@ -161,6 +168,7 @@ def two_worker_run(cifar_dir, tmp_path_factory, decoy_path, fresh_venv):
     return out, process
 
 
+@pytest.mark.slow
 def test_workers_run_the_virtualenvs_interpreter(two_worker_run, fresh_venv):
     out, process = two_worker_run
     assert f"with {fresh_venv}" in process.stdout
@@ -168,6 +176,7 @@ def test_workers_run_the_virtualenvs_interpreter(two_worker_run, fresh_venv):
         assert f"python {fresh_venv}, MindSpore" in (out / "msrun_log" / f"worker_{rank}.log").read_text()
 
 
+@pytest.mark.slow
 def test_two_workers_identical_weights_rank0_outputs_and_matching_eval(two_worker_run, cifar_dir, tmp_path):
     out, process = two_worker_run
     logs = out / "msrun_log"
@@ -221,6 +230,7 @@ def memory_turn():
         yield
 
 
+@pytest.mark.slow
 def test_killing_a_worker_ends_the_launcher_nonzero_without_orphans(cifar_dir, tmp_path, memory_turn):
     out = tmp_path / "killed-run"
     log = open(tmp_path / "launcher.log", "w")
@@ -262,6 +272,7 @@ def wait_for_text(path: Path, text: str, process: subprocess.Popen, timeout: flo
     raise AssertionError(f"{text!r} not seen in {path}")
 
 
+@pytest.mark.slow
 def test_sigterm_saves_and_a_resumed_distributed_run_ends_with_the_same_weights(two_worker_run, cifar_dir,
                                                                                  tmp_path, memory_turn):
     straight, _ = two_worker_run

@@ -40,7 +40,8 @@ def forward_and_gradients(conv: nn.Cell, x: np.ndarray, upstream: np.ndarray):
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[2]}x{c[2]}s{c[3]}p{c[4]}_{c[0]}to{c[1]}_h{c[5]}")
-@pytest.mark.parametrize("mode", [ms.GRAPH_MODE, ms.PYNATIVE_MODE], ids=["graph", "pynative"])
+@pytest.mark.parametrize("mode", [pytest.param(ms.GRAPH_MODE, marks=pytest.mark.slow), ms.PYNATIVE_MODE],
+                         ids=["graph", "pynative"])
 def test_forward_and_gradients_equal_mindspore_conv2d(case, mode):
     ms.set_context(mode=mode)
     ci, co, k, s, p, h = case
@@ -55,6 +56,7 @@ def test_forward_and_gradients_equal_mindspore_conv2d(case, mode):
         assert rel_diff(actual, expected) < 1e-5  # float32 rounding of another summation order
 
 
+@pytest.mark.slow
 def test_unsupported_configurations_run_mindspore_conv2d():
     ms.set_context(mode=ms.GRAPH_MODE)
     x = ms.Tensor(np.random.default_rng(1).standard_normal((2, 8, 9, 9)).astype(np.float32))
@@ -112,6 +114,7 @@ print(step(ms.Tensor(np.ones((2, 3, 32, 32), np.float32)), ms.Tensor(np.array([1
 
 
 @pytest.mark.parametrize("isa", [None, "AVX2"], ids=["uncapped", "AVX2"])
+@pytest.mark.slow
 def test_oneDNN_runs_training_batchnorm_on_the_convolutions_blocked_output(isa):
     """A training step: every BatchNorm runs in oneDNN's jit code on channel blocks (16 with AVX-512, else 8),
     forward on batch statistics and backward, and no convolution pass runs a reference kernel (with AVX-512, none
@@ -129,6 +132,7 @@ def test_oneDNN_runs_training_batchnorm_on_the_convolutions_blocked_output(isa):
         assert "ref" not in fields[6] and (block == 8 or "gemm" not in fields[6]), fields
 
 
+@pytest.mark.slow
 def test_oneDNN_runs_the_convolutions_on_blocked_layouts():
     """oneDNN's own log of what ran: every convolution on a blocked layout, none through GEMM."""
     convolutions = [fields for fields in onednn_exec_log(["-c", VERBOSE_SCRIPT]) if fields[5] == "convolution"]
@@ -142,6 +146,7 @@ def test_oneDNN_runs_the_convolutions_on_blocked_layouts():
             assert re.search(r"src:f32:a:blocked:aBcd(8|16)b", layouts), line
 
 
+@pytest.mark.slow
 def test_stale_library_falls_back_under_auto_and_is_refused_when_asked_for(tmp_path, cifar_dir):
     """A native/onednn_conv.cc edited after the build: auto logs why and uses MindSpore's Conv2D."""
     copy = tmp_path / "repo"
@@ -162,6 +167,7 @@ def test_stale_library_falls_back_under_auto_and_is_refused_when_asked_for(tmp_p
     assert_one_line_error(asked, "conv_implementation onednn_blocked", "python -m pip install ./native")
 
 
+@pytest.mark.slow
 def test_build_without_a_compiler_installs_and_records_why(tmp_path):
     """pip install ./native with no working C++ compiler: installed, no library, the reason kept."""
     target = tmp_path / "site"
@@ -198,7 +204,8 @@ def conv_batchnorm_results(conv: nn.Conv2d, bn: nn.BatchNorm2d, x: np.ndarray, u
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[2]}x{c[2]}s{c[3]}p{c[4]}_{c[0]}to{c[1]}_h{c[5]}")
-@pytest.mark.parametrize("mode", [ms.GRAPH_MODE, ms.PYNATIVE_MODE], ids=["graph", "pynative"])
+@pytest.mark.parametrize("mode", [pytest.param(ms.GRAPH_MODE, marks=pytest.mark.slow), ms.PYNATIVE_MODE],
+                         ids=["graph", "pynative"])
 def test_convolution_with_batchnorm_equals_conv2d_then_batchnorm2d(case, mode):
     """Training: the fused convolution + BatchNorm gives nn.Conv2d + nn.BatchNorm2d's output, moving statistics
     and gradients (input, weights, gamma, beta)."""
@@ -257,6 +264,7 @@ UNCAPPED_TESTS = ["tests/test_onednn_conv.py", "tests/test_fused_inference.py", 
 
 
 @pytest.mark.skipif(not cpu_has_avx512(), reason="no AVX-512: the in-process tests cover the 8-channel blocks")
+@pytest.mark.slow
 def test_numerics_tests_pass_uncapped_on_16_channel_blocks():
     process = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *UNCAPPED_TESTS],
                              cwd=REPO, env=script_env({"ONEDNN_MAX_CPU_ISA": "ALL"}), capture_output=True, text=True,

@@ -8,7 +8,7 @@ from src.resnet import build_resnet
 from src.trainer import build_optimizer
 
 
-@pytest.mark.parametrize("optimizer", ["adam", "momentum"])
+@pytest.mark.parametrize("optimizer", ["adam", pytest.param("momentum", marks=pytest.mark.slow)])
 def test_weight_decay_reaches_batchnorm_gamma(optimizer):
     config = load_config(["--optimizer", optimizer, "--weight_decay", "0.1"])
     net = build_resnet("resnet18", 10)

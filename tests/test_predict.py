@@ -91,7 +91,7 @@ def test_read_image_gives_rgb_for_colour_grey_and_all_formats(images):
             assert np.array_equal(decoded, pixels), name  # exact, and RGB (not OpenCV's BGR)
 
 
-@pytest.mark.parametrize("image_size", [(32, 32), (48, 40)])
+@pytest.mark.parametrize("image_size", [(32, 32), pytest.param((48, 40), marks=pytest.mark.slow)])
 def test_png_of_cifar_test_images_gives_the_eval_pipeline_logits(cifar_dir, reference_net, tmp_path, image_size):
     """A CIFAR test image saved as PNG gets the input tensor and logits eval.py's pipeline gives it, at
     CIFAR's size (no Resize) and at another size (bilinear Resize)."""
@@ -121,6 +121,7 @@ def test_png_of_cifar_test_images_gives_the_eval_pipeline_logits(cifar_dir, refe
 
 # ---------------------------------------------------------------- the command line
 
+@pytest.mark.slow
 def test_cli_classifies_png_grey_bmp_and_jpeg(images, checkpoint, reference_net):
     paths = [str(path) for path, _ in images.values()]
     process = run_script("predict.py", ["--checkpoint_path", str(checkpoint), *SMALL, "--top_k", "3",
@@ -145,6 +146,7 @@ def test_cli_classifies_png_grey_bmp_and_jpeg(images, checkpoint, reference_net)
     assert np.max(np.abs(swapped[0] - expected[0])) > 1e-4
 
 
+@pytest.mark.slow
 def test_files_that_are_not_images_are_named_and_the_others_classified(images, checkpoint, tmp_path):
     notes = tmp_path / "notes.png"
     notes.write_text("not a picture\n")  # an image's suffix, text inside
@@ -165,6 +167,7 @@ def test_files_that_are_not_images_are_named_and_the_others_classified(images, c
                                                                                          str(empty)]
 
 
+@pytest.mark.slow
 def test_exported_mindir_with_class_names_file(images, checkpoint, reference_net, tmp_path):
     """A fixed-batch .mindir: its input size comes from the file (no --image_height given: the default 224
     would be wrong), its batch of 2 is padded for 3 images, and the names come from a file."""
@@ -188,6 +191,7 @@ def test_exported_mindir_with_class_names_file(images, checkpoint, reference_net
 
 
 @pytest.mark.parametrize("dynamic_batch", [False, True])
+@pytest.mark.slow
 def test_mindir_classifier_feeds_the_batch_the_file_takes(images, reference_net, tmp_path, dynamic_batch):
     import mindspore as ms
     from src.exporting import export_network
@@ -205,6 +209,7 @@ def test_mindir_classifier_feeds_the_batch_the_file_takes(images, reference_net,
     assert np.max(np.abs(logits - reference_net(ms.Tensor(inputs)).asnumpy())) <= 1e-5
 
 
+@pytest.mark.slow
 def test_pth_checkpoint(images, checkpoint, reference_net, tmp_path):
     """A PyTorch state_dict with torchvision's names, read through load_weights_report."""
     torch = pytest.importorskip("torch")
@@ -223,8 +228,10 @@ def test_pth_checkpoint(images, checkpoint, reference_net, tmp_path):
 
 # ---------------------------------------------------------------- refusals: one line, exit code 2
 
-@pytest.mark.parametrize("case", ["short_names_file", "missing_names_file", "missing_checkpoint",
-                                  "damaged_checkpoint", "damaged_mindir", "no_images", "onnx_model"])
+# Each case starts predict.py (a few seconds): no_images runs in the fast loop, the others are slow (pytest.ini).
+@pytest.mark.parametrize("case", [case if case == "no_images" else pytest.param(case, marks=pytest.mark.slow)
+                                  for case in ["short_names_file", "missing_names_file", "missing_checkpoint",
+                                               "damaged_checkpoint", "damaged_mindir", "no_images", "onnx_model"]])
 def test_refusals(case, images, checkpoint, tmp_path):
     model = str(checkpoint)
     extra = []

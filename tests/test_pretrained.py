@@ -354,6 +354,7 @@ def finetuned(cifar_dir, torchvision_pth, tmp_path_factory):
     return out, process
 
 
+@pytest.mark.slow
 def test_train_from_a_torchvision_pth_reinitialises_the_head_and_trains(finetuned, torchvision_pth):
     torch = pytest.importorskip("torch")
     out, process = finetuned
@@ -371,6 +372,7 @@ def test_train_from_a_torchvision_pth_reinitialises_the_head_and_trains(finetune
     assert np.corrcoef(before, after)[0, 1] > 0.99
 
 
+@pytest.mark.slow
 def test_resume_with_a_wrong_pin_fails_in_one_line(finetuned, cifar_dir, tmp_path):
     out, _ = finetuned
     last = out / "resnet18-last.ckpt"
@@ -380,6 +382,7 @@ def test_resume_with_a_wrong_pin_fails_in_one_line(finetuned, cifar_dir, tmp_pat
     assert list(tmp_path.glob("*.ckpt")) == []
 
 
+@pytest.mark.slow
 def test_train_refuses_a_damaged_download_in_one_line(server, cifar_dir, tmp_path, torchvision_pth):
     data, _ = torchvision_pth
     prefix = sha256_of(data)[:8]
@@ -393,6 +396,7 @@ def test_train_refuses_a_damaged_download_in_one_line(server, cifar_dir, tmp_pat
     assert list(tmp_path.rglob("*.ckpt")) == [] and not (tmp_path / "out" / "metrics.csv").exists()
 
 
+@pytest.mark.slow
 def test_train_refuses_a_pin_mismatch_in_one_line(cifar_dir, tmp_path, torchvision_pth):
     data, pth = torchvision_pth
     wrong = ("0" if sha256_of(data)[0] != "0" else "1") * 64
@@ -402,12 +406,14 @@ def test_train_refuses_a_pin_mismatch_in_one_line(cifar_dir, tmp_path, torchvisi
     assert list(tmp_path.glob("*.ckpt")) == []
 
 
+@pytest.mark.slow
 def test_train_refuses_an_unknown_pretrained_value_in_one_line(cifar_dir, tmp_path):
     process = run_script("train.py", tiny_train_args(cifar_dir, tmp_path) + ["--pretrained", "imagenet"])
     assert_one_line_error(process, "unknown --pretrained value 'imagenet'", "torchvision_imagenet")
     assert list(tmp_path.glob("*.ckpt")) == []
 
 
+@pytest.mark.slow
 def test_train_refuses_a_damaged_cached_registry_file_without_the_network(cifar_dir, tmp_path):
     entry = read_registry()["torchvision_imagenet"]["resnet18"]
     cache = tmp_path / "cache"
@@ -432,6 +438,7 @@ def _zoo_named(params: Dict[str, np.ndarray]) -> Dict[str, np.ndarray]:
     return renamed
 
 
+@pytest.mark.slow
 def test_eval_refuses_a_foreign_head_mismatch_in_one_line(cifar_dir, tmp_path):
     params = {p.name: p.asnumpy() for p in build_resnet("resnet18", 1000).get_parameters()}
     zoo = _zoo_named(params)
@@ -445,6 +452,7 @@ def test_eval_refuses_a_foreign_head_mismatch_in_one_line(cifar_dir, tmp_path):
     assert not (tmp_path / "out" / "eval_result.json").exists()
 
 
+@pytest.mark.slow
 def test_eval_takes_a_torchvision_pth_with_a_pin(cifar_dir, tmp_path):
     torch = pytest.importorskip("torch")
     torchvision = pytest.importorskip("torchvision")

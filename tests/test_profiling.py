@@ -32,6 +32,7 @@ def profiled(cifar_dir, tmp_path_factory):
     return out, process
 
 
+@pytest.mark.slow
 def test_profiler_writes_analysed_op_table_and_timeline(profiled):
     out, process = profiled
     runs = list((out / "profiler").glob("rank0_*_ascend_ms"))
@@ -64,6 +65,7 @@ def test_profiler_writes_analysed_op_table_and_timeline(profiled):
     assert not list((REPO / "data").glob("*_ascend_ms"))  # ... and then falls back to ./data
 
 
+@pytest.mark.slow
 def test_training_goes_on_unchanged_and_without_the_key_nothing_is_profiled(profiled, cifar_dir, tmp_path):
     out, _ = profiled
     assert (out / "resnet18-last.ckpt").is_file() and (out / "resnet18-best.ckpt").is_file()
@@ -110,6 +112,7 @@ def test_only_rank_0_profiles_and_off_means_nothing_is_created(tmp_path):
     assert check(tmp_path / "rank0").folder == (tmp_path / "rank0" / "profiler").resolve()
 
 
+@pytest.mark.slow
 def test_train_py_refusal_is_one_line_and_trains_nothing(cifar_dir, tmp_path):
     out = tmp_path / "a+b"
     process = run_script("train.py", ["--data_path", str(cifar_dir), "--output_path", str(out), *RUN,

@@ -99,6 +99,7 @@ def bn_cells(net: nn.Cell):
 # -------------------------------------------------------------------------------- sizes and output shape
 
 @pytest.mark.parametrize("name", DEPTHS)
+@pytest.mark.slow
 def test_parameter_count_matches_torchvision(name):
     """Guards the layer layout: the trainable scalar count equals torchvision's for the same depth."""
     expected = sum(p.numel() for p in pristine_tv(name).parameters())
@@ -107,7 +108,7 @@ def test_parameter_count_matches_torchvision(name):
         assert expected == 23_528_522
 
 
-@pytest.mark.parametrize("name", DEPTHS)
+@pytest.mark.parametrize("name", [DEPTHS[0], *[pytest.param(name, marks=pytest.mark.slow) for name in DEPTHS[1:]]])
 def test_forward_gives_one_logit_row_per_image(name):
     """A 32x32 batch goes through every depth and gives (N, num_classes) finite logits."""
     net = pristine_ms(name)
@@ -135,7 +136,8 @@ def test_bn_rename_rule_finds_exactly_torchvisions_batchnorms():
         assert by_type == by_name
 
 
-@pytest.mark.parametrize("name", DEPTHS)
+@pytest.mark.parametrize("name", [name if name in ("resnet18", "resnet50") else pytest.param(name, marks=pytest.mark.slow)
+                                  for name in DEPTHS])  # one network of each block type in the fast loop
 def test_torchvision_state_dict_maps_one_to_one_onto_parameters(name):
     """Every torch key has a same-shaped MindSpore parameter after the BN rename, and nothing is left over."""
     ms_shapes = {pname: tuple(p.shape) for pname, p in pristine_ms(name).parameters_and_names()}
@@ -342,6 +344,7 @@ def test_maxpool_matches_torch_padded_maxpool_on_relu_output():
 
 
 @pytest.mark.parametrize("name", ["resnet18", "resnet50"])
+@pytest.mark.slow
 def test_whole_network_eval_parity(name):
     """torchvision weights loaded by name give torchvision's eval logits at 64x64."""
     torch.manual_seed(0)

@@ -358,12 +358,14 @@ def print_measurements():
 
 # ------------------------------------------------------------------------------------------------ tests
 
+@pytest.mark.slow
 def test_eval_logits_match(parity):
     """Eval mode with the converted weights gives torchvision's logits (relative 1e-5 of max |logit|)."""
     assert parity.eval_scale > 1e-3  # a meaningful output, not all zeros
     assert parity.eval_rel <= EVAL_REL_TOL, f"{parity.depth}: eval logits differ by {parity.eval_rel:.3g} relative"
 
 
+@pytest.mark.slow
 def test_train_mode_unit_outputs_and_moving_statistics_match(parity):
     """Train mode (batch statistics): every unit's output and every BatchNorm's moving statistics after the
     forward equal torch float64's on the same input."""
@@ -375,6 +377,7 @@ def test_train_mode_unit_outputs_and_moving_statistics_match(parity):
     assert not bad, f"{parity.depth}: moving statistics differ: {dict(list(bad.items())[:5])}"
 
 
+@pytest.mark.slow
 def test_train_mode_whole_network_logits_match(parity):
     """Whole network in train mode: logits differ from torch float32 no more than float32 itself allows here
     (TRAIN_LOGITS_SPREAD_FACTOR x torch's own float32-vs-float64 difference, at least TRAIN_LOGITS_FLOOR)."""
@@ -384,6 +387,7 @@ def test_train_mode_whole_network_logits_match(parity):
         f"float32 error is {parity.train_logits_torch_spread:.3g}")
 
 
+@pytest.mark.slow
 def test_cross_entropy_gradients_of_every_parameter_match(parity):
     """Every trainable parameter's gradient (unit by unit, same inputs and upstream gradients as torch's
     backward) equals torch float64's within relative 1e-3; so does every unit's input gradient."""
@@ -395,6 +399,7 @@ def test_cross_entropy_gradients_of_every_parameter_match(parity):
     assert not bad, f"{parity.depth}: input gradients differ (relative): {bad}"
 
 
+@pytest.mark.slow
 def test_whole_network_gradients_match_for_resnet18(parity):
     """ResNet-18 is shallow enough to compare the whole backward pass: every parameter's gradient equals torch
     float64's within relative 1e-3 (measured 1.5e-4; torch's own float32 run is 18 % off here: a ReLU flip, see
@@ -407,6 +412,7 @@ def test_whole_network_gradients_match_for_resnet18(parity):
     assert not bad, f"whole-network gradients differ from torch float64 (relative): {bad}"
 
 
+@pytest.mark.slow
 def test_one_adam_step_gives_equal_weights(parity):
     """nn.Adam and torch.optim.Adam (same lr, betas, eps, weight_decay) take one step from equal weights on the
     same batch; every element of every parameter ends within adam_step_bound of torch's."""

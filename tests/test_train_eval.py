@@ -51,6 +51,7 @@ def resnet50_run(cifar_dir, tmp_path_factory):
     return out, process
 
 
+@pytest.mark.slow
 def test_training_writes_checkpoints_metrics_curves_and_log(resnet50_run):
     out, process = resnet50_run
     assert (out / "resnet50-epoch002.ckpt").is_file()
@@ -71,6 +72,7 @@ def test_training_writes_checkpoints_metrics_curves_and_log(resnet50_run):
     assert no_partial_files(out)
 
 
+@pytest.mark.slow
 def test_the_terminal_shows_the_projects_own_lines_only(resnet50_run):
     """MindSpore's C++ warnings (about 160 while a training step compiles) stay out unless GLOG_v asks."""
     _, process = resnet50_run
@@ -87,6 +89,7 @@ def test_a_glog_level_the_user_sets_is_kept():
         assert process.stdout.strip() == expected, process.stderr
 
 
+@pytest.mark.slow
 def test_eval_reproduces_the_training_evaluation(resnet50_run, cifar_dir, tmp_path):
     out, _ = resnet50_run
     _, rows = read_metrics(out)
@@ -107,6 +110,7 @@ def test_eval_reproduces_the_training_evaluation(resnet50_run, cifar_dir, tmp_pa
     assert (tmp_path / "confusion_matrix.png").read_bytes()[:8] == PNG_MAGIC
 
 
+@pytest.mark.slow
 def test_eval_refuses_a_head_mismatch(resnet50_run, cifar_dir, tmp_path):
     out, _ = resnet50_run
     process = run_script("eval.py", ["--data_path", str(cifar_dir), "--output_path", str(tmp_path), "--class_num",
@@ -127,6 +131,7 @@ def test_eval_refuses_another_architecture(cifar_dir, tmp_path):
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate", "empty", "missing"])
+@pytest.mark.slow
 def test_eval_refuses_a_damaged_checkpoint(resnet50_run, cifar_dir, tmp_path, damage):
     out, _ = resnet50_run
     target = tmp_path / "damaged.ckpt"
@@ -175,6 +180,7 @@ def uninterrupted(cifar_dir, tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 def test_resume_at_an_epoch_boundary_matches_an_uninterrupted_run(uninterrupted, cifar_dir, tmp_path):
     base = ["--data_path", str(cifar_dir), "--output_path", str(tmp_path), *SMALL]
     first = run_script("train.py", base + ["--epoch_size", "1"])
@@ -189,6 +195,7 @@ def test_resume_at_an_epoch_boundary_matches_an_uninterrupted_run(uninterrupted,
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.slow
 def test_signal_saves_a_resumable_checkpoint_mid_epoch(uninterrupted, cifar_dir, tmp_path, signum):
     args = ["--data_path", str(cifar_dir), "--output_path", str(tmp_path), *SMALL]
     log_path = tmp_path / "run.log"
@@ -209,6 +216,7 @@ def test_signal_saves_a_resumable_checkpoint_mid_epoch(uninterrupted, cifar_dir,
     assert rows == [{k: r[k] for k in ("epoch", "train_loss", "top1")} for r in read_metrics(uninterrupted)[1]]
 
 
+@pytest.mark.slow
 def test_resume_refuses_a_weights_only_checkpoint(cifar_dir, tmp_path):
     import mindspore as ms
     from src.resnet import build_resnet
@@ -220,6 +228,7 @@ def test_resume_refuses_a_weights_only_checkpoint(cifar_dir, tmp_path):
     assert not list((tmp_path / "out").glob("*.ckpt"))
 
 
+@pytest.mark.slow
 def test_resume_refuses_a_different_step_count(uninterrupted, cifar_dir, tmp_path):
     process = run_script("train.py", ["--data_path", str(cifar_dir), "--output_path", str(tmp_path),
                                       "--resume", str(uninterrupted / "resnet18-epoch001.ckpt"), *SMALL,
@@ -229,6 +238,7 @@ def test_resume_refuses_a_different_step_count(uninterrupted, cifar_dir, tmp_pat
 
 # ---------------------------------------------------------------- data refusals and the quickstart
 
+@pytest.mark.slow
 def test_missing_data_without_download_is_one_line_and_writes_nothing(tmp_path):
     process = run_script("train.py", ["--data_path", str(tmp_path / "absent"), "--download", "false",
                                       "--output_path", str(tmp_path / "out"), *SMALL])
@@ -236,6 +246,7 @@ def test_missing_data_without_download_is_one_line_and_writes_nothing(tmp_path):
     assert not list((tmp_path / "out").glob("*.ckpt")) and not (tmp_path / "out" / "metrics.csv").exists()
 
 
+@pytest.mark.slow
 def test_truncated_training_file_is_one_line(cifar_dir, tmp_path):
     broken = tmp_path / "broken"
     broken.mkdir()
@@ -247,6 +258,7 @@ def test_truncated_training_file_is_one_line(cifar_dir, tmp_path):
     assert_one_line_error(process, "data_batch_3.bin is truncated")
 
 
+@pytest.mark.slow
 def test_quickstart_config_trains_on_generated_data(tmp_path):
     data = tmp_path / "synthetic"
     process = run_script("train.py", ["--config_path", str(REPO / "configs" / "quickstart.yaml"), "--data_path",

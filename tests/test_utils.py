@@ -48,6 +48,7 @@ def test_launcher_detection(monkeypatch):
     assert launched_distributed() and launcher_rank() == SCHEDULER_RANK
 
 
+@pytest.mark.slow
 def test_scripts_apply_the_speed_setting_unless_the_user_set_it(cifar_dir, tmp_path):
     env = {key: value for key, value in os.environ.items() if key != ONEDNN_ISA_VARIABLE}
     args = ["--data_path", str(cifar_dir), "--output_path", str(tmp_path),
@@ -66,6 +67,7 @@ def test_scripts_apply_the_speed_setting_unless_the_user_set_it(cifar_dir, tmp_p
     assert "ONEDNN_MAX_CPU_ISA=AVX512_CORE (set by the user)" in user.stdout, user.stdout[-2000:]
 
 
+@pytest.mark.slow
 def test_cli_refuses_an_unusable_device(cifar_dir, tmp_path):
     process = run_script("train.py", ["--device_target", "GPU", "--data_path", str(cifar_dir),
                                       "--output_path", str(tmp_path)])
