@@ -1,6 +1,7 @@
-"""README.md and docs/ stay true to the code: the README's test command is CI's, every config key is
-documented with the yaml's own description, the README stays short, and the text cites no commits and
-links only to files in the repository."""
+"""README.md and docs/ stay true to the code: the README's test command is CI's, its fast loop selects by the
+marker pytest.ini registers, every config key is documented with the yaml's own description, the README stays
+short, and the text cites no commits and links only to files in the repository."""
+import configparser
 import re
 from pathlib import Path
 from urllib.parse import unquote
@@ -29,6 +30,18 @@ def test_ci_runs_exactly_the_readme_test_command():
     assert any(line.startswith('python3 -m venv "$VENV_PARENT/') for line in ci_lines)
     assert any("mktemp -d" in line for line in ci_lines)
     assert any(line.startswith('source "$VENV_PARENT/') and line.endswith('/bin/activate"') for line in ci_lines)
+
+
+def test_readme_names_the_fast_loop_and_pytest_ini_registers_slow():
+    """The fast loop (README, "Tests") selects by the `slow` marker, which pytest.ini registers; no default
+    -m in pytest.ini deselects anything, so the full suite (CI's command) still runs every test."""
+    assert 'python -m pytest -m "not slow"' in fenced_commands(README)
+    ini = configparser.ConfigParser()
+    ini.read(REPO / "pytest.ini", encoding="utf-8")
+    markers = [line.strip() for line in ini.get("pytest", "markers").splitlines() if line.strip()]
+    assert any(re.match(r"slow: \S", marker) for marker in markers), markers
+    addopts = ini.get("pytest", "addopts", fallback="").split()
+    assert "-m" not in addopts and not any(option.startswith("-m") for option in addopts), addopts
 
 
 def test_quickstart_command_is_in_the_readme():
