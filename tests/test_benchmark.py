@@ -43,6 +43,7 @@ def analytic_macs(model_name: str, size: int, num_classes: int) -> int:
     return macs + inplanes * num_classes
 
 
+@pytest.mark.slow
 def test_resnet50_at_224_counts_torchvisions_4_09_gmacs():
     macs = forward_macs("resnet50", 224, 1000)
     assert macs == analytic_macs("resnet50", 224, 1000) == 4_089_184_256

@@ -231,6 +231,7 @@ def test_read_checkpoint_detects_flipped_byte_in_tensor_data(tmp_path, resnet18_
 # ---------------------------------------------------------------- network_weights / load_weights_report
 
 
+@pytest.mark.slow
 def test_load_resnet18_checkpoint_into_resnet50_names_architecture(resnet18_10):
     path, _ = resnet18_10
     net = shared_net("resnet50", 10)

@@ -179,6 +179,7 @@ def test_evaluate_counts_every_sample_once(cifar_dir, net):
     assert math.isfinite(result.loss) and result.loss > 0
 
 
+@pytest.mark.slow
 def test_evaluate_is_deterministic(cifar_dir, net):
     dataset = make_dataset(cifar_dir)
     first = evaluate(net, dataset, CLASSES)

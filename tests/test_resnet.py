@@ -233,7 +233,7 @@ def _last_bn_gammas(net: resnet.ResNet):
     return names
 
 
-@pytest.mark.parametrize("name, blocks", [("resnet18", 8), ("resnet50", 16)])
+@pytest.mark.parametrize("name, blocks", [("resnet18", 8), pytest.param("resnet50", 16, marks=pytest.mark.slow)])
 def test_zero_init_residual_zeroes_only_each_blocks_last_bn(name, blocks):
     """zero_init_residual=True zeroes bn2 (BasicBlock) / bn3 (Bottleneck) gamma of every block only."""
     net = build_resnet(name, num_classes=NUM_CLASSES, zero_init_residual=True)
@@ -279,7 +279,9 @@ BLOCK_CASES = {
 }
 
 
-@pytest.fixture(params=sorted(BLOCK_CASES), name="blocks")
+# The fast loop keeps the stride-2 cases (each block type, with its downsample); the stride-1 cases are slow.
+@pytest.fixture(params=[name if "stride2" in name else pytest.param(name, marks=pytest.mark.slow)
+                        for name in sorted(BLOCK_CASES)], name="blocks")
 def fixture_blocks(request):
     """(MindSpore block, torch block, input): same weights, random BN statistics, input (4, C, 16, 16)."""
     kind, inplanes, planes, stride = BLOCK_CASES[request.param]
