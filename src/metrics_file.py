@@ -6,7 +6,8 @@ from typing import Dict, List, Optional
 
 from src.atomic_file import write_text_atomic
 
-COLUMNS = ("epoch", "lr", "train_loss", "eval_loss", "top1", "top5", "epoch_seconds", "images_per_second")
+COLUMNS = ("epoch", "lr", "train_loss", "eval_loss", "top1", "top5", "epoch_seconds", "images_per_second",
+           "skipped_steps")  # steps whose update a loss-scale overflow skipped
 
 
 class MetricsFile:

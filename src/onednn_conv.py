@@ -82,12 +82,19 @@ def channel_block() -> int:
     return int(ctypes.CDLL(usable_library()).onednn_conv_channel_block())
 
 
-def resolve_conv_implementation(requested: str, device_target: str) -> Tuple[str, str]:
-    """(implementation in use, why): 'auto' takes onednn_blocked on CPU when the library is usable."""
+def resolve_conv_implementation(requested: str, device_target: str, amp_level: str = "O0") -> Tuple[str, str]:
+    """(implementation in use, why): 'auto' takes onednn_blocked on CPU when the library is usable and the
+    convolutions run in float32 (amp_level O0; every other level casts them to float16)."""
     if requested not in CHOICES["conv_implementation"]:
         raise UserError(f"conv_implementation {requested!r} is not one of {', '.join(CHOICES['conv_implementation'])}")
     if requested == "mindspore":
         return "mindspore", "requested"
+    if amp_level != "O0":
+        if requested == "onednn_blocked":
+            raise UserError(f"conv_implementation onednn_blocked runs float32 convolutions only and amp_level "
+                            f"{amp_level} casts them to float16: set --conv_implementation auto or mindspore, or "
+                            "--amp_level O0")
+        return "mindspore", f"amp_level {amp_level} runs float16 convolutions, which the native library has none of"
     if device_target != "CPU":
         if requested == "onednn_blocked":
             raise UserError(f"conv_implementation onednn_blocked runs on CPU only, not {device_target}; "

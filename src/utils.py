@@ -14,6 +14,7 @@ import mindspore as ms
 
 from src.errors import UserError, run_cli  # noqa: F401  (run_cli: the scripts' entry wrapper)
 from src.onednn_conv import native_thread_count, resolve_conv_implementation, set_native_threads
+from src.train_step import amp_level_for
 
 # oneDNN picks slow reference kernels for MindSpore's 3x3/7x7 convolutions (plain NCHW tensors) on AVX-512
 # CPUs; capping it at AVX2 gives its far faster im2col+GEMM kernels (docs/performance.md). The
@@ -56,10 +57,11 @@ def apply_cpu_speed_setting(logger: Optional[logging.Logger] = None, conv_implem
     return value
 
 
-def choose_convolutions(requested: str, device_target: str, logger: Optional[logging.Logger] = None) -> Tuple[str, str]:
-    """Resolves conv_implementation for the device and applies the oneDNN setting it needs, before the first
-    convolution: (implementation, ONEDNN_MAX_CPU_ISA in force)."""
-    implementation, reason = resolve_conv_implementation(requested, device_target)
+def choose_convolutions(requested: str, device_target: str, logger: Optional[logging.Logger] = None,
+                        amp_level: str = "O0") -> Tuple[str, str]:
+    """Resolves conv_implementation for the device and the amp level in force (O0-O3) and applies the oneDNN
+    setting it needs, before the first convolution: (implementation, ONEDNN_MAX_CPU_ISA in force)."""
+    implementation, reason = resolve_conv_implementation(requested, device_target, amp_level)
     if logger and implementation != requested:
         logger.info("conv_implementation %s: using %s (%s)", requested, implementation, reason)
     if implementation == "onednn_blocked":
@@ -141,7 +143,8 @@ def init_env(config, logger: logging.Logger) -> RunEnv:
     """Sets up device, convolution kernels, the CPU speed setting, mode, seeds and, under a launcher,
     data-parallel training."""
     device = select_device(config.device_target, logger)
-    conv_implementation, _ = choose_convolutions(config.conv_implementation, device, logger)
+    conv_implementation, _ = choose_convolutions(config.conv_implementation, device, logger,
+                                                 amp_level_for(config.amp_level, device))
     set_seeds(config.seed)
     ms.set_context(mode=ms.GRAPH_MODE if config.context_mode == "graph" else ms.PYNATIVE_MODE)
     if not launched_distributed():

@@ -1,6 +1,7 @@
 """Shared fixtures: a generated CIFAR-format dataset, a runner for the top-level scripts, and the suite's memory
 keeping (each module's freed memory given back; heavy measurements in a process of their own)."""
 import contextlib
+import csv
 import ctypes
 import fcntl
 import gc
@@ -9,6 +10,7 @@ import tempfile
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional
 
@@ -191,3 +193,41 @@ def randomise_batchnorm(module, rng, batches_tracked: bool = True) -> None:
                 sub.running_var.copy_(torch.from_numpy(rng.uniform(0.5, 2.0, c).astype(np.float32)))
                 if batches_tracked:
                     sub.num_batches_tracked.fill_(int(rng.integers(0, 1000)))
+
+
+def read_metrics(folder: Path):
+    """(column names, rows as dicts) of folder/metrics.csv."""
+    with open(folder / "metrics.csv", newline="") as handle:
+        reader = csv.DictReader(handle)
+        return reader.fieldnames, list(reader)
+
+
+def checkpoint_arrays(path: Path):
+    return {name: value.asnumpy() for name, value in read_ckpt_entries(path).items()
+            if not isinstance(value, str)}
+
+
+def max_difference(path_a: Path, path_b: Path) -> float:
+    """The largest absolute difference between two checkpoints' arrays (they must hold the same names)."""
+    a, b = checkpoint_arrays(path_a), checkpoint_arrays(path_b)
+    assert a.keys() == b.keys()
+    return max(float(np.max(np.abs(a[k].astype(np.float64) - b[k].astype(np.float64)))) if a[k].size else 0.0
+               for k in a)
+
+
+def start_training(args, log_path: Path) -> subprocess.Popen:
+    """train.py ARGS started in the background, its output going to log_path."""
+    log = open(log_path, "w")
+    return subprocess.Popen([sys.executable, str(REPO / "train.py"), *args], cwd=REPO, stdout=log,
+                            stderr=subprocess.STDOUT, env=script_env())
+
+
+def wait_for_line(log_path: Path, text: str, process: subprocess.Popen, timeout: float = 300) -> None:
+    """Returns once text is in log_path; fails if the process ends first or timeout passes."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if text in log_path.read_text():
+            return
+        assert process.poll() is None, log_path.read_text()[-3000:]
+        time.sleep(0.1)
+    raise AssertionError(f"{text!r} not seen in {log_path}")

@@ -20,7 +20,7 @@ def test_defaults_are_the_reference_recipe():
     assert (config.optimizer, config.lr, config.weight_decay) == ("adam", 0.001, 1e-5)
     assert (config.batch_size, config.epoch_size, config.class_num) == (32, 90, 10)
     assert (config.image_height, config.image_width) == (224, 224)
-    assert (config.amp_level, config.loss_scale) == ("O3", 1024.0)
+    assert (config.amp_level, config.loss_scale, config.loss_scale_type) == ("auto", 1024.0, "fixed")
     assert (config.context_mode, config.seed, config.lr_schedule) == ("graph", 1, "constant")
     assert config.device_target == "Auto"
     for key in REQUIRED_KEYS:

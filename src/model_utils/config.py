@@ -23,7 +23,8 @@ CHOICES: Dict[str, Tuple[str, ...]] = {
     "model_name": MODEL_NAMES,
     "optimizer": ("adam", "momentum"),
     "lr_schedule": ("constant", "cosine", "step", "poly"),
-    "amp_level": ("O0", "O1", "O2", "O3"),
+    "amp_level": ("auto", "O0", "O1", "O2", "O3"),
+    "loss_scale_type": ("fixed", "dynamic"),
     "file_format": ("MINDIR", "ONNX", "AIR"),
 }
 
@@ -48,6 +49,8 @@ VALUE_RULES: Dict[str, Tuple[Callable[[Any], bool], str]] = {
     "weight_decay": (lambda v: v >= 0, "0 or more"),
     "label_smoothing": (lambda v: 0 <= v < 1, "in [0, 1)"),
     "loss_scale": (lambda v: v >= 1, "at least 1"),
+    "sink_size": (lambda v: v == -1 or v >= 1, "-1 (the whole epoch) or at least 1"),
+    "save_checkpoint_steps": (lambda v: v >= 0, "0 (epoch ends only) or a positive count"),
     "eval_interval": (lambda v: v >= 1, "at least 1"),
     "keep_checkpoint_max": (lambda v: v >= 1, "at least 1"),
     "log_interval": (lambda v: v >= 1, "at least 1"),

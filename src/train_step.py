@@ -1,0 +1,142 @@
+"""The training step: mixed precision (amp_level), loss scaling (fixed or dynamic, with overflow checks on
+every device, CPU included) and device-side totals that the host reads once per window of steps."""
+import logging
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+import numpy as np
+import mindspore as ms
+from mindspore import Parameter, Tensor, nn, ops
+
+# amp_level auto: the level MindSpore recommends per device (O3 for Ascend, O2 for GPU); fp32 on CPU.
+AUTO_AMP_LEVEL = {"Ascend": "O3", "GPU": "O2", "CPU": "O0"}
+# Dynamic loss scale: MindSpore's DynamicLossScaleManager defaults (halve on overflow, double after this many
+# steps without one).
+DYNAMIC_SCALE_FACTOR = 2
+DYNAMIC_SCALE_WINDOW = 2000
+# Parameters of the step that hold the loss-scale state: a checkpoint from a run without loss scaling lacks them.
+LOSS_SCALE_STATE = ("scale_sense", "current_iterator_step", "last_overflow_iterator_step")
+
+
+@dataclass(frozen=True)
+class AmpSetting:
+    """The precision a run trains in: level O0-O3; loss_scale None for none (O0), else its (initial) value."""
+    level: str
+    loss_scale: Optional[float] = None
+    dynamic: bool = False
+
+    def describe(self) -> str:
+        if self.loss_scale is None:
+            return f"amp_level {self.level} (float32)"
+        kind = "dynamic" if self.dynamic else "fixed"
+        return f"amp_level {self.level}, {kind} loss scale {self.loss_scale:g}"
+
+
+def amp_level_for(requested: str, device: str) -> str:
+    """The level (O0-O3) amp_level requested runs at on device: auto picks per device, an explicit level is kept."""
+    return AUTO_AMP_LEVEL[device] if requested == "auto" else requested
+
+
+def resolve_amp(config, device: str, logger: logging.Logger) -> AmpSetting:
+    """The AmpSetting for config on device (see amp_level_for), with its loss scale."""
+    level = amp_level_for(config.amp_level, device)
+    if config.amp_level == "auto":
+        logger.info("amp_level auto: %s on %s", level, device)
+    elif level != "O0" and device == "CPU":
+        logger.info("amp_level %s on CPU: runs as asked, but float16 brings no speed there (oneDNN's CPU "
+                    "convolutions are fastest in float32); amp_level O0 or auto trains in float32", level)
+    if level == "O0":
+        return AmpSetting("O0")  # float32 needs no loss scale
+    return AmpSetting(level, config.loss_scale, config.loss_scale_type == "dynamic")
+
+
+_finite = ops.MultitypeFuncGraph("_finite")
+
+
+@_finite.register("Tensor")
+def _tensor_finite(grad):
+    return ops.isfinite(grad).all()
+
+
+class LossScaledTrainStep(nn.TrainOneStepWithLossScaleCell):
+    """MindSpore's loss-scaled training step (the optimizer update is skipped on overflow); returns
+    (loss, overflow, loss scale).
+
+    On CPU the overflow is found with IsFinite on the gradients: MindSpore's own check reads Ascend's float
+    status registers (NPUGetFloatStatusV2), which the CPU backend has no kernel for.
+    """
+
+    def __init__(self, network: nn.Cell, optimizer: nn.Optimizer, scale_sense) -> None:
+        super().__init__(network, optimizer, scale_sense)
+        self.check_with_isfinite = ms.get_context("device_target") == "CPU"
+
+    def get_overflow_status(self, status, compute_output):
+        if not self.check_with_isfinite:
+            return super().get_overflow_status(status, compute_output)
+        finite = ops.stack(self.hyper_map(_finite, compute_output)).all()
+        flag = ops.cast(ops.logical_not(finite), ms.float32)
+        if self.is_distributed:  # every rank skips the same steps (CPU AllReduce sums float32)
+            flag = self.allreduce(flag)
+        return flag > 0
+
+
+class StepWithTotals(nn.Cell):
+    """Runs a training step and adds to device-side totals: the loss of the steps that updated the weights and
+    the number of steps skipped for a loss-scale overflow. The host reads them once per window (read_totals), so
+    it never waits on the device between the steps of a window (a data sink's steps included)."""
+
+    def __init__(self, train_step: nn.Cell, loss_scaled: bool) -> None:
+        super().__init__(auto_prefix=False)  # the parameters keep their names (and checkpoints theirs)
+        self.train_step = train_step
+        self.loss_scaled = loss_scaled
+        # Not saved in checkpoints (the trainer saves train_step); their values go to TrainingState.
+        self.loss_sum = Parameter(Tensor(0.0, ms.float32), name="window_totals.loss_sum", requires_grad=False)
+        self.skipped_steps = Parameter(Tensor(0.0, ms.float32), name="window_totals.skipped_steps",
+                                       requires_grad=False)
+
+    def construct(self, images, labels):
+        if self.loss_scaled:
+            loss, overflow, _ = self.train_step(images, labels)
+        else:
+            loss = self.train_step(images, labels)
+            overflow = ops.zeros((), ms.bool_)
+        skipped = ops.cast(overflow, ms.float32)
+        loss = ops.depend(loss, ops.assign_add(self.loss_sum, ops.select(overflow, ops.zeros_like(loss), loss)))
+        loss = ops.depend(loss, ops.assign_add(self.skipped_steps, skipped))
+        return loss
+
+    def read_totals(self) -> Tuple[float, int]:
+        """(summed loss, steps skipped) since the last read, and starts the next window at zero."""
+        loss_sum, skipped = float(self.loss_sum.asnumpy()), int(self.skipped_steps.asnumpy())
+        self.loss_sum.set_data(Tensor(0.0, ms.float32))
+        self.skipped_steps.set_data(Tensor(0.0, ms.float32))
+        return loss_sum, skipped
+
+    def loss_scale(self) -> Optional[float]:
+        """The loss scale in force (None without loss scaling)."""
+        return float(self.train_step.scale_sense.asnumpy()) if self.loss_scaled else None
+
+
+def build_train_step(net: nn.Cell, optimizer: nn.Optimizer, config, amp: AmpSetting) -> StepWithTotals:
+    """net's training step with config's loss (cross-entropy, label smoothing) at amp's precision.
+
+    Without loss scaling it is MindSpore's build_train_network (TrainOneStepCell, the fastest step measured on
+    CPU). With it, the same network in LossScaledTrainStep: a fixed scale (the update skipped on overflow; the
+    trainer then stops) or DynamicLossScaleManager's update cell.
+    """
+    loss_fn = nn.CrossEntropyLoss(label_smoothing=config.label_smoothing)
+    # loss_scale_manager=None: the level's default manager (dynamic for O2) is refused on CPU.
+    train_step = ms.amp.build_train_network(net, optimizer, loss_fn, level=amp.level, loss_scale_manager=None)
+    if amp.loss_scale is not None:
+        # MindSpore's build_train_network refuses a loss-scale manager on CPU: the network with its loss (and
+        # the level's casts) it built is wrapped in the loss-scaled step here instead.
+        if amp.dynamic:
+            scale_sense = ms.amp.DynamicLossScaleManager(amp.loss_scale, DYNAMIC_SCALE_FACTOR,
+                                                         DYNAMIC_SCALE_WINDOW).get_update_cell()
+        else:
+            scale_sense = Tensor(np.float32(amp.loss_scale))
+        train_step = LossScaledTrainStep(train_step.network, optimizer, scale_sense)
+    train_step.set_train()
+    step = StepWithTotals(train_step, loss_scaled=amp.loss_scale is not None)
+    step.set_train()
+    return step
