@@ -3,9 +3,10 @@ with MindSpore's achieved FLOP rate as a share of the machine's fp32 matrix-prod
 
 python benchmark.py [--sizes 32,224] [--modes train,eval] [--batch_size 32] [--repeats 3] [--rounds 1]
                     [--gemm_size 3072] [--conv_implementation auto|onednn_blocked|mindspore]
-                    [--inference_network fused|fused-blocked|fused-nhwc|resnet] [--output FILE]
+                    [--inference_network fused|fused-blocked|fused-nhwc|resnet] [--recipes O0,O2,O3,O0-sink]
+                    [--output FILE]
 
-Each (framework, mode, input size) runs in its own process: warmup steps (compilation included) are not
+Each (framework, mode, input size, training recipe) runs in its own process: warmup steps (compilation included) are not
 timed, then --repeats timings of --steps steps; the table reports the median, pooled over --rounds rounds that
 alternate the frameworks. MindSpore runs as train.py does, with conv_implementation resolved on CPU. The GEMM rate is timed the same
 way (one n x n product per timing, one process per backend: MindSpore ops.matmul with the oneDNN setting its
@@ -27,7 +28,8 @@ from typing import Callable, Dict, List
 
 from src.architectures import MODEL_NAMES as ARCHITECTURES  # not src.resnet's: it would load MindSpore
 from src.atomic_file import write_text_atomic
-from src.benchmark import (GEMM_BACKENDS, Measurement, flops_per_image, forward_macs, forward_macs_in_subprocess,
+from src.benchmark import (GEMM_BACKENDS, Measurement, check_recipe, flops_per_image, forward_macs,
+                           forward_macs_in_subprocess,
                            measure_gemm_here, measure_gemm_in_subprocess, measure_here, measure_in_subprocess, table,
                            to_json)
 from src.errors import OneLineArgumentParser, UserError, run_cli
@@ -67,6 +69,13 @@ def _names(*allowed: str) -> Callable[[str], List[str]]:
     return parse
 
 
+def _recipes(text: str) -> List[str]:
+    try:
+        return list(dict.fromkeys(check_recipe(part) for part in text.split(",")))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     parser = OneLineArgumentParser(prog="benchmark.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", type=_sizes, default="32,224", help="input sizes, comma separated")
@@ -91,6 +100,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="MindSpore's inference: the fused network evaluation runs (one oneDNN call a layer, "
                              "when the convolutions are onednn_blocked; its activation layout as "
                              "evaluation picks it, or forced), or the ResNet cell itself")
+    parser.add_argument("--recipes", type=_recipes, default="O0",
+                        help="MindSpore training recipes, comma separated: amp_level O0-O3, with -sink for the loss "
+                             "read once per timing of --steps steps as with dataset_sink_mode (e.g. O0,O2,O3,O0-sink); "
+                             "the first is compared with PyTorch, all of them with the first")
     parser.add_argument("--output", default="benchmark.json")
     parser.add_argument("--worker", choices=WORKERS, help=argparse.SUPPRESS)
     return parser.parse_args(argv)
@@ -107,7 +120,7 @@ def run_worker(args: argparse.Namespace) -> object:
                                         args.repeats, args.conv_implementation))
     return asdict(measure_here(args.worker, args.modes[0], args.model_name, args.sizes[0], args.batch_size,
                                args.threads, args.warmup, args.repeats, args.steps or 1, args.conv_implementation,
-                               args.inference_network))
+                               args.inference_network, args.recipes[0]))
 
 
 def main() -> int:
@@ -144,14 +157,18 @@ def main() -> int:
     for round_number in range(1, args.rounds + 1):
         for size in args.sizes:
             for mode in args.modes:
-                for framework in frameworks:
+                runs = [(framework, recipe) for framework in frameworks
+                        for recipe in (args.recipes if framework == "mindspore" and mode == "train" else [""])]
+                for framework, recipe in runs:
                     steps = args.steps or (5 if size <= 64 else 1)
-                    print(f"measuring {framework} {mode} {size}x{size} (round {round_number} of {args.rounds}) ...",
+                    what = f"{framework} {recipe}".strip()
+                    print(f"measuring {what} {mode} {size}x{size} (round {round_number} of {args.rounds}) ...",
                           file=sys.stderr, flush=True)
                     measurement = measure_in_subprocess(framework, mode, args.model_name, size, args.batch_size,
                                                         args.threads, args.warmup, args.repeats, steps,
-                                                        args.conv_implementation, args.inference_network)
-                    key = (framework, mode, size)
+                                                        args.conv_implementation, args.inference_network,
+                                                        recipe or "O0")
+                    key = (framework, mode, size, recipe)
                     if key in measurements:
                         measurement = replace(measurement, seconds_per_step=measurements[key].seconds_per_step +
                                               measurement.seconds_per_step)

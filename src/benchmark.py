@@ -5,6 +5,7 @@ See FLOP_CONVENTION for what is counted.
 """
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -35,6 +36,7 @@ class Measurement:
     conv_implementation: str = ""  # MindSpore's: the convolutions it ran (src/onednn_conv.py)
     onednn_max_cpu_isa: str = ""  # MindSpore's: the oneDNN instruction-set setting it ran under
     inference_network: str = ""  # MindSpore's, eval: the cell that ran (fused-blocked, fused-nhwc or resnet)
+    recipe: str = ""  # MindSpore's, train: the amp_level, and "-sink" when the loss is read once per timing
 
     @property
     def images_per_second(self) -> float:
@@ -60,17 +62,33 @@ class GemmMeasurement:
         return 2 * self.n ** 3 / statistics.median(self.seconds) / 1e9
 
 
-def _time_steps(run_step: Callable[[], None], warmup: int, repeats: int, steps: int) -> List[float]:
-    """Seconds per step of each repeat (steps steps each), after warmup steps (which include compilation)."""
+def _time_steps(run_step: Callable[[], None], warmup: int, repeats: int, steps: int,
+                finish: Optional[Callable[[], None]] = None) -> List[float]:
+    """Seconds per step of each repeat (steps steps each, then finish: waiting for the last one's result), after
+    warmup steps (which include compilation)."""
     for _ in range(warmup):
         run_step()
+    if finish:
+        finish()
     timings = []
     for _ in range(repeats):
         started = time.perf_counter()
         for _ in range(steps):
             run_step()
+        if finish:
+            finish()
         timings.append((time.perf_counter() - started) / steps)
     return timings
+
+
+RECIPE_PATTERN = re.compile(r"^O[0-3](-sink)?$")
+
+
+def check_recipe(recipe: str) -> str:
+    """A training recipe name: an amp_level O0-O3, with -sink for the loss read once per sink (here: per timing)."""
+    if not RECIPE_PATTERN.match(recipe):
+        raise ValueError(f"unknown recipe {recipe!r}: an amp_level O0-O3, optionally followed by -sink")
+    return recipe
 
 
 def _worker_env(threads: int) -> Dict[str, str]:
@@ -88,17 +106,20 @@ def _run_worker(args: List[str], threads: int, what: str):
 
 
 def mindspore_step(mode: str, model_name: str, image_size: int, batch_size: int, total_steps: int,
-                   conv_implementation: str = "mindspore",
-                   inference_network: str = "fused") -> Tuple[Callable[[], None], str]:
-    """One training step (TrainOneStepCell with Adam, as train.py builds it) or one inference forward: of the
-    network evaluation runs (inference_network "fused"; "fused-blocked" or "fused-nhwc" force its activation
-    layout) or of the ResNet cell itself ("resnet"). Returns the step and, for inference, which network ran
-    ("fused-" and the layout it ran on, when the network could be fused; "" for training)."""
+                   conv_implementation: str = "mindspore", inference_network: str = "fused",
+                   recipe: str = "O0") -> Tuple[Callable[[], None], str, Optional[Callable[[], None]]]:
+    """One training step (with Adam, as train.py builds it for the recipe's amp_level, with the fixed loss scale
+    above O0) or one inference forward: of the network evaluation runs (inference_network "fused"; "fused-blocked"
+    or "fused-nhwc" force its activation layout) or of the ResNet cell itself ("resnet"). Returns the step, for
+    inference which network ran ("fused-" and the layout it ran on, when the network could be fused; "" for
+    training), and what waits for the steps' results when the step itself does not (a -sink recipe: train.py
+    reads the loss after every step without dataset_sink_mode, once per sink with it)."""
     import mindspore as ms
     from src.lr_schedule import schedule_from_config
     from src.model_utils.config import load_config
     from src.resnet import build_resnet
-    from src.trainer import build_optimizer, build_train_step
+    from src.train_step import AmpSetting, build_train_step
+    from src.trainer import build_optimizer
 
     ms.set_seed(1)
     ms.set_context(mode=ms.GRAPH_MODE)
@@ -117,11 +138,15 @@ def mindspore_step(mode: str, model_name: str, image_size: int, batch_size: int,
         ran = "resnet"
         if isinstance(inference_net, FusedResNet):
             ran = "fused-blocked" if inference_net.runs_blocked else "fused-nhwc"
-        return lambda: inference_net(images).asnumpy(), ran
+        return lambda: inference_net(images).asnumpy(), ran, None
     learning_rates = schedule_from_config(config.replace(epoch_size=1, warmup_epochs=0), total_steps)
     optimizer = build_optimizer(config, net.trainable_params(), learning_rates)
-    train_step = build_train_step(net, optimizer, config, "O0", None)
-    return lambda: train_step(images, labels).asnumpy(), ""
+    level = check_recipe(recipe).split("-")[0]
+    amp = AmpSetting(level, None if level == "O0" else config.loss_scale)
+    train_step = build_train_step(net, optimizer, config, amp)
+    if recipe.endswith("-sink"):
+        return lambda: train_step(images, labels), "", train_step.read_totals
+    return lambda: (train_step(images, labels), train_step.read_totals()), "", None
 
 
 def torch_step(mode: str, model_name: str, image_size: int, batch_size: int) -> Callable[[], None]:
@@ -153,30 +178,36 @@ def torch_step(mode: str, model_name: str, image_size: int, batch_size: int) -> 
 
 def measure_here(framework: str, mode: str, model_name: str, image_size: int, batch_size: int, threads: int,
                  warmup: int, repeats: int, steps: int, conv_implementation: str = "auto",
-                 inference_network: str = "fused") -> Measurement:
-    """Runs one measurement in this process; MindSpore's convolutions as conv_implementation resolves on CPU."""
+                 inference_network: str = "fused", recipe: str = "O0") -> Measurement:
+    """Runs one measurement in this process; MindSpore's convolutions as conv_implementation resolves on CPU for the
+    recipe's amp_level (training)."""
     implementation = isa = ran_network = ""
+    finish = None
     if framework == "torch":
         import torch
         torch.set_num_threads(threads)
         run_step = torch_step(mode, model_name, image_size, batch_size)
     else:
         from src.utils import choose_convolutions  # as train.py's init_env does
-        implementation, isa = choose_convolutions(conv_implementation, "CPU")
-        run_step, ran_network = mindspore_step(mode, model_name, image_size, batch_size, warmup + repeats * steps,
-                                               implementation, inference_network)
-    timings = _time_steps(run_step, warmup, repeats, steps)
+        level = check_recipe(recipe).split("-")[0] if mode == "train" else "O0"
+        implementation, isa = choose_convolutions(conv_implementation, "CPU", amp_level=level)
+        run_step, ran_network, finish = mindspore_step(mode, model_name, image_size, batch_size,
+                                                       warmup + repeats * steps, implementation, inference_network,
+                                                       recipe)
+    timings = _time_steps(run_step, warmup, repeats, steps, finish)
     return Measurement(framework, mode, image_size, batch_size, threads, timings, conv_implementation=implementation,
-                       onednn_max_cpu_isa=isa, inference_network=ran_network)
+                       onednn_max_cpu_isa=isa, inference_network=ran_network,
+                       recipe=recipe if framework == "mindspore" and mode == "train" else "")
 
 
 def measure_in_subprocess(framework: str, mode: str, model_name: str, image_size: int, batch_size: int, threads: int,
                           warmup: int, repeats: int, steps: int, conv_implementation: str = "auto",
-                          inference_network: str = "fused") -> Measurement:
+                          inference_network: str = "fused", recipe: str = "O0") -> Measurement:
     args = ["--worker", framework, "--modes", mode, "--model_name", model_name, "--sizes", str(image_size),
             "--batch_size", str(batch_size), "--warmup", str(warmup), "--repeats", str(repeats), "--steps", str(steps),
-            "--conv_implementation", conv_implementation, "--inference_network", inference_network]
-    return Measurement(**_run_worker(args, threads, f"{framework} {mode} {image_size}"))
+            "--conv_implementation", conv_implementation, "--inference_network", inference_network,
+            "--recipes", recipe]
+    return Measurement(**_run_worker(args, threads, f"{framework} {mode} {image_size} {recipe}"))
 
 
 def measure_gemm_here(backend: str, n: int, threads: int, warmup: int, repeats: int,
@@ -290,9 +321,11 @@ def table(measurements: Sequence[Measurement], gemms: Sequence[GemmMeasurement] 
     header = ("| mode | input | batch | threads | MindSpore img/s | PyTorch img/s | MindSpore / PyTorch "
               "| GFLOP/image | MindSpore GFLOP/s | MindSpore % of GEMM |")
     rows = [header, "|---|---|---|---|---|---|---|---|---|---|"]
-    keys = sorted({(m.mode, m.image_size) for m in measurements}, key=lambda k: (k[0] != "train", k[1]))
+    recipes = list(dict.fromkeys(m.recipe for m in measurements if m.recipe))
+    main = [m for m in measurements if m.recipe in ("", *recipes[:1])]  # the first recipe's training, vs PyTorch
+    keys = sorted({(m.mode, m.image_size) for m in main}, key=lambda k: (k[0] != "train", k[1]))
     for mode, size in keys:
-        found = {m.framework: m for m in measurements if (m.mode, m.image_size) == (mode, size)}
+        found = {m.framework: m for m in main if (m.mode, m.image_size) == (mode, size)}
         ratio = "-"
         if "mindspore" in found and "torch" in found:
             ratio = f"{found['mindspore'].images_per_second / found['torch'].images_per_second:.2f}x"
@@ -303,6 +336,8 @@ def table(measurements: Sequence[Measurement], gemms: Sequence[GemmMeasurement] 
                     f"{rate(found, 'torch')} | {ratio} | {number(per_image, 3)} | {number(ours, 1)} | "
                     f"{number(_percent_of(ours, reference), 1)} |")
     rows += ["", f"GFLOP/image of {model_name}: {FLOP_CONVENTION}."]
+    if len(recipes) > 1:
+        rows += ["", recipe_table(measurements, recipes)]
     if gemms:
         phases = list(dict.fromkeys(g.phase for g in gemms))
         timings = sum(len(g.seconds) for g in gemms if g.backend == gemms[0].backend)
@@ -316,6 +351,21 @@ def table(measurements: Sequence[Measurement], gemms: Sequence[GemmMeasurement] 
         rows.append(f"GEMM: fp32 {gemms[0].n}x{gemms[0].n} matrix products, {gemms[0].threads} threads, median of "
                     f"{timings} per backend ({' and '.join(phases)} the models): {described} GFLOP/s; "
                     f"% of GEMM is against the fastest, {reference:.1f} GFLOP/s.")
+    return "\n".join(rows)
+
+
+def recipe_table(measurements: Sequence[Measurement], recipes: Sequence[str]) -> str:
+    """Markdown table of MindSpore training images/s per recipe (amp_level, -sink), each as a ratio to the first."""
+    header = "| input | batch | " + " | ".join(f"{recipe} img/s" for recipe in recipes) + " | " + \
+        " | ".join(f"{recipe} / {recipes[0]}" for recipe in recipes[1:]) + " |"
+    rows = [header, "|" + "---|" * (2 + 2 * len(recipes) - 1)]
+    for size in sorted({m.image_size for m in measurements if m.recipe}):
+        found = {m.recipe: m for m in measurements if m.recipe and m.image_size == size}
+        rates = [found[recipe].images_per_second if recipe in found else None for recipe in recipes]
+        first = next(iter(found.values()))
+        cells = [f"{rate:.1f}" if rate else "-" for rate in rates]
+        cells += [f"{rate / rates[0]:.2f}x" if rate and rates[0] else "-" for rate in rates[1:]]
+        rows.append(f"| {size}x{size} | {first.batch_size} | " + " | ".join(cells) + " |")
     return "\n".join(rows)
 
 

@@ -136,7 +136,8 @@ def test_end_to_end_run_writes_flop_rates_and_gemm_rates(tmp_path):
 @pytest.mark.parametrize("args, option", [(["--sizes", "abc"], "--sizes"), (["--sizes", "32,16"], "--sizes"),
                                           (["--batch_size", "0"], "--batch_size"), (["--modes", "fit"], "--modes"),
                                           (["--gemm_size", "x"], "--gemm_size"),
-                                          (["--inference_network", "onnx"], "--inference_network")])
+                                          (["--inference_network", "onnx"], "--inference_network"),
+                                          (["--recipes", "O0,O4"], "--recipes"), (["--recipes", "sink"], "--recipes")])
 def test_bad_input_is_one_error_line(args, option):
     assert_one_line_error(run_script("benchmark.py", args, timeout=60), option)
 
@@ -151,6 +152,28 @@ def test_inference_network_records_the_cell_that_ran(requested, conv, ran):
     measurement = measure_in_subprocess("mindspore", "eval", "resnet18", 32, 2, 2, warmup=1, repeats=1, steps=1,
                                         conv_implementation=conv, inference_network=requested)
     assert measurement.inference_network == ran and measurement.conv_implementation == conv
+
+
+def test_recipes_table_compares_each_training_recipe_with_the_first():
+    measurements = [Measurement("mindspore", "train", 32, 8, 2, [1.0], recipe="O0"),
+                    Measurement("mindspore", "train", 32, 8, 2, [4.0], recipe="O2"),
+                    Measurement("mindspore", "train", 32, 8, 2, [0.5], recipe="O0-sink"),
+                    Measurement("torch", "train", 32, 8, 2, [2.0])]
+    text = table(measurements)
+    assert "| train | 32x32 | 8 | 2 | 8.0 | 4.0 | 2.00x |" in text  # the first recipe against PyTorch
+    assert "| input | batch | O0 img/s | O2 img/s | O0-sink img/s | O2 / O0 | O0-sink / O0 |" in text
+    assert "| 32x32 | 8 | 8.0 | 2.0 | 16.0 | 0.25x | 2.00x |" in text
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe, conv", [("O2", "mindspore"), ("O0-sink", "onednn_blocked")])
+def test_a_training_recipe_runs_as_train_py_builds_it(recipe, conv):
+    """O2 trains float16 with MindSpore's convolutions (the native ones are float32 only); -sink reads the loss
+    once per timing."""
+    measurement = measure_in_subprocess("mindspore", "train", "resnet18", 32, 2, 2, warmup=1, repeats=1, steps=2,
+                                        recipe=recipe)
+    assert measurement.recipe == recipe and measurement.conv_implementation == conv
+    assert measurement.images_per_second > 0
 
 
 def test_missing_output_folder_is_refused_before_measuring(tmp_path):
