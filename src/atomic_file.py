@@ -13,12 +13,23 @@ exception goes on: nothing half-written ever has the final name, and nothing is 
 
 Permissions: by default those a plain open() gives, 0o666 & ~umask. mode sets others, masked by the umask like
 open()'s, or exactly as given with apply_umask=False; mode=None keeps what the writer made (a hard link keeps
-its source's). This module imports nothing from the project.
+its source's).
+
+A full disk (ENOSPC), a full quota (EDQUOT) or the file-size limit (EFBIG, ulimit -f) while the block writes, or
+while the file is flushed, ends as DiskFullError: a UserError of one line naming the file, its folder and what to
+do, with the temporary file removed and the previous file under the final name untouched. It is recognised in the
+exception's chain too, as libraries wrap it (torch.save raises a RuntimeError whose context is the OSError). This
+is the one place the project translates those errors. This module imports nothing from the project but
+src.errors.
 """
+import errno
 import os
+import shutil
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator, Optional, Union
+
+from src.errors import UserError
 
 TEMP_PREFIX = ".partial-"  # every temporary file of the project starts with it: .partial-<PID>-<NAME>
 
@@ -35,6 +46,65 @@ def current_umask() -> int:
     umask = os.umask(0o077)
     os.umask(umask)
     return umask
+
+
+DISK_FULL_ERRNOS = {errno.ENOSPC: "no space left on device", errno.EDQUOT: "disk quota exceeded",
+                    errno.EFBIG: "file too large"}
+
+
+def disk_full_cause(exc: BaseException) -> Optional[OSError]:
+    """The ENOSPC, EDQUOT or EFBIG OSError behind exc (exc itself, or its __cause__/__context__ chain), else None."""
+    seen = set()
+    link: Optional[BaseException] = exc
+    while link is not None and id(link) not in seen:
+        seen.add(id(link))
+        if isinstance(link, OSError) and link.errno in DISK_FULL_ERRNOS:
+            return link
+        link = link.__cause__ or link.__context__
+    return None
+
+
+def _file_size_limit() -> Optional[int]:
+    """This process's RLIMIT_FSIZE in bytes (ulimit -f), None when unlimited or unknown."""
+    try:
+        import resource
+        limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    except (ImportError, OSError, ValueError):
+        return None
+    return None if limit == resource.RLIM_INFINITY else limit
+
+
+def _megabytes(size: int) -> str:
+    return f"{size / 2 ** 20:.1f} MB"
+
+
+class DiskFullError(UserError):
+    """A write that failed for want of space (ENOSPC, EDQUOT) or on the file-size limit (EFBIG).
+
+    The message names the file and folder, the space left or the limit, and the fix; then_what is the step after
+    the fix ('run again' by default; train.py names the checkpoint to resume from).
+    """
+
+    def __init__(self, path: Path, cause: OSError, then_what: str = "run again") -> None:
+        self.path, self.cause, self.then_what = Path(path), cause, then_what
+        folder = self.path.parent
+        if cause.errno == errno.EFBIG:
+            limit = _file_size_limit()
+            detail = (f"the file-size limit (ulimit -f) is {_megabytes(limit)}" if limit is not None
+                      else "larger than the file system allows")
+            fix = "raise the limit (ulimit -f unlimited) or write to another file system"
+        else:
+            try:
+                detail = f"{_megabytes(shutil.disk_usage(folder).free)} free there now"
+            except OSError:
+                detail = cause.strerror or "no space"
+            fix = "free space there"
+        super().__init__(f"{DISK_FULL_ERRNOS[cause.errno]} writing {self.path.name} in {folder} ({detail}): "
+                         f"{fix} and {then_what}")
+
+    def with_then_what(self, then_what: str) -> "DiskFullError":
+        """The same error with another step after the fix."""
+        return DiskFullError(self.path, self.cause, then_what)
 
 
 def _fsync_folder(folder: Path) -> None:
@@ -60,12 +130,19 @@ def atomic_write(path: Union[str, Path], mode: Optional[int] = 0o666, *, apply_u
     temp = temp_path(final)
     temp.unlink(missing_ok=True)  # left by a killed process that had this PID
     try:
-        yield temp
-        with open(temp, "rb") as written:
-            os.fsync(written.fileno())
-        if mode is not None:
-            os.chmod(temp, mode & ~current_umask() if apply_umask else mode)
-        os.replace(temp, final)
+        try:
+            yield temp
+            with open(temp, "rb") as written:
+                os.fsync(written.fileno())  # a file system that allocates late reports ENOSPC here
+            if mode is not None:
+                os.chmod(temp, mode & ~current_umask() if apply_umask else mode)
+            os.replace(temp, final)
+        except Exception as exc:
+            cause = None if isinstance(exc, UserError) else disk_full_cause(exc)
+            if cause is None:
+                raise
+            temp.unlink(missing_ok=True)  # before the message measures the free space
+            raise DiskFullError(final, cause) from exc
         _fsync_folder(final.parent)
     finally:
         # After a failure; after the rename a no-op, except where temp was a hard link to final's file: then

@@ -22,7 +22,7 @@ WEIGHTS_LAYERS: Dict[str, Set[str]] = {
 }
 # Helpers every writer and downloader uses (src.weights included): they import no more of src than this.
 HELPERS: Dict[str, Set[str]] = {
-    "src.atomic_file": set(),
+    "src.atomic_file": {"src.errors"},
     "src.download": {"src.atomic_file", "src.errors"},
 }
 # The applications built on the weights code, which it must not reach back into.

@@ -23,12 +23,14 @@ MindSpore and torch are imported inside the functions that use them: convert_pth
 refuses bad options without waiting for either framework to load.
 """
 import binascii
+import logging
 import math
 import os
 import re
 import shutil
 import warnings
 import zipfile
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO, Callable, Dict, Iterator, List, Mapping, Optional, Tuple
@@ -59,12 +61,38 @@ def save_checkpoint_atomic(source: Any, path: str, append_dict: Optional[Dict[st
     final.parent.mkdir(parents=True, exist_ok=True)
     with atomic_write(final, CHECKPOINT_MODE, apply_umask=False) as temp:
         try:
-            ms.save_checkpoint(source, str(temp), append_dict=append_dict, crc_check=True)
+            with _mindspore_save_failure_unlogged():
+                ms.save_checkpoint(source, str(temp), append_dict=append_dict, crc_check=True)
         finally:
             temp.with_suffix(".tmp").unlink(missing_ok=True)  # MindSpore's own temporary name, after a failure
         if check is not None:
             check(temp)
     return final
+
+
+class _DropSaveFailure(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("Failed to save the checkpoint file")
+
+
+@contextmanager
+def _mindspore_save_failure_unlogged() -> Iterator[None]:
+    """Keeps MindSpore from logging its own CRITICAL 'Failed to save the checkpoint file ... Maybe don't have the
+    permission ... or the disk space is insufficient' line: save_checkpoint re-raises the exception, which ends as
+    one precise error line (src.atomic_file) or a traceback. MindSpore's logger is private (mindspore.log), so
+    where it is not found the line is simply printed."""
+    try:
+        from mindspore.log import _get_logger
+        ms_logger = _get_logger()
+    except (ImportError, AttributeError):
+        yield
+        return
+    dropped = _DropSaveFailure()
+    ms_logger.addFilter(dropped)
+    try:
+        yield
+    finally:
+        ms_logger.removeFilter(dropped)
 
 
 def link_or_copy_atomic(source: Path, destination: Path) -> None:

@@ -1,0 +1,158 @@
+"""A full disk and the file-size limit while outputs are written: the previous file stays intact, nothing partial
+keeps a final name or stays behind, and the failure is one line naming the folder and what to do.
+
+Two real limits: RLIMIT_FSIZE (ulimit -f; Python ignores SIGXFSZ, so a write past it fails with EFBIG), which
+any user can set, and a small tmpfs (ENOSPC), mounted in a private mount namespace (unshare), where the machine
+allows one; those tests are skipped elsewhere.
+"""
+import contextlib
+import errno
+import hashlib
+import os
+import resource
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Iterator, List, Optional
+
+import numpy as np
+import pytest
+
+from conftest import REPO, script_env, temp_files
+from src.atomic_file import DiskFullError, atomic_write, disk_full_cause, write_text_atomic
+from src.errors import UserError
+
+MB = 2 ** 20
+
+
+@contextlib.contextmanager
+def file_size_limit(limit: int) -> Iterator[None]:
+    """This process's RLIMIT_FSIZE soft limit set to limit bytes for the block (the hard limit is kept, so the
+    old value can be restored)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+
+
+def sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def one_line(excinfo, *fragments: str) -> str:
+    message = str(excinfo.value)
+    assert isinstance(excinfo.value, UserError) and "\n" not in message, message
+    for fragment in fragments:
+        assert fragment in message, (fragment, message)
+    return message
+
+
+# ------------------------------------------------------------------------------ atomic_write under ulimit -f
+
+def test_a_write_past_the_file_size_limit_keeps_the_previous_file(tmp_path):
+    final = tmp_path / "metrics.csv"
+    write_text_atomic(final, "epoch\n1\n")
+    with file_size_limit(64 * 1024), pytest.raises(DiskFullError) as excinfo:
+        write_text_atomic(final, "x" * MB)
+    one_line(excinfo, "file too large writing metrics.csv in", str(tmp_path), "ulimit -f", "0.1 MB", "run again")
+    assert excinfo.value.cause.errno == errno.EFBIG
+    assert final.read_text() == "epoch\n1\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.csv"]
+
+
+@pytest.mark.slow
+def test_a_checkpoint_past_the_file_size_limit_keeps_the_previous_one_and_mindspores_own_log_is_quiet(
+        tmp_path, capfd):
+    """ms.save_checkpoint raises a plain OSError(EFBIG) here (and logs a CRITICAL line, which is dropped)."""
+    import mindspore as ms
+    from src.weights.files import save_checkpoint_atomic
+    final = tmp_path / "resnet18-epoch001.ckpt"
+    save_checkpoint_atomic([{"name": "w", "data": ms.Tensor(np.ones(1000, np.float32))}], str(final))
+    before = final.read_bytes()
+    with file_size_limit(MB), pytest.raises(DiskFullError) as excinfo:
+        save_checkpoint_atomic([{"name": "w", "data": ms.Tensor(np.ones(MB, np.float32))}], str(final))
+    one_line(excinfo, "file too large writing resnet18-epoch001.ckpt in", str(tmp_path))
+    assert type(excinfo.value.__cause__) is OSError  # what MindSpore raised, unwrapped
+    assert final.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["resnet18-epoch001.ckpt"]  # no .partial-*, no .tmp
+    assert "Failed to save the checkpoint file" not in capfd.readouterr().err
+
+
+@pytest.mark.slow
+def test_a_wrapped_disk_full_error_is_recognised(tmp_path):
+    """torch.save reports the failed write as a RuntimeError whose context is the OSError."""
+    from src.weights.files import save_torch_state_dict_atomic
+    final = tmp_path / "weights.pth"
+    with file_size_limit(64 * 1024), pytest.raises(DiskFullError) as excinfo:
+        save_torch_state_dict_atomic({"w": np.ones(MB, np.float32)}, str(final))
+    assert isinstance(excinfo.value.__cause__, RuntimeError)
+    one_line(excinfo, "file too large writing weights.pth in", str(tmp_path))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_training_curves_past_the_file_size_limit_keep_the_previous_figure(tmp_path):
+    from src.plotting import plot_training_curves
+    rows = [{"epoch": "1", "lr": "0.1", "train_loss": "2.3", "eval_loss": "2.2", "top1": "0.1", "top5": "0.5"}]
+    final = Path(plot_training_curves(rows, str(tmp_path / "training_curves.png")))
+    before = final.read_bytes()
+    with file_size_limit(4096), pytest.raises(DiskFullError) as excinfo:
+        plot_training_curves(rows * 2, str(final))
+    one_line(excinfo, "writing training_curves.png in", str(tmp_path))
+    assert final.read_bytes() == before and temp_files(tmp_path) == []
+
+
+def test_other_failures_are_not_called_a_full_disk(tmp_path):
+    final = tmp_path / "model.ckpt"
+    with pytest.raises(PermissionError):
+        with atomic_write(final):
+            raise PermissionError(errno.EACCES, "denied")
+    with pytest.raises(UserError) as excinfo:
+        with atomic_write(final):
+            raise UserError("the caller's own message")
+    assert excinfo.type is UserError and str(excinfo.value) == "the caller's own message"
+    assert disk_full_cause(RuntimeError("write failed")) is None
+    assert list(tmp_path.iterdir()) == []
+
+
+# ------------------------------------------------------------------------------ a full tmpfs (ENOSPC)
+
+def private_tmpfs_command(mountpoint: Path, size: str, script: str) -> Optional[List[str]]:
+    """A command running the shell script with a tmpfs of size mounted at mountpoint in a mount namespace of its
+    own (nothing outside sees it; it goes when the script ends); None where this machine allows none."""
+    unshare = shutil.which("unshare")
+    if unshare is None:
+        return None
+    # root needs only a mount namespace; other users map themselves to root in a user namespace of their own
+    prefix = [unshare, "--mount"] if os.geteuid() == 0 else [unshare, "--mount", "--map-root-user"]
+    mountpoint.mkdir(parents=True, exist_ok=True)
+    mount = f"mount -t tmpfs -o size={size} tmpfs '{mountpoint}'"
+    probe = subprocess.run([*prefix, "sh", "-c", mount], capture_output=True, timeout=60)
+    if probe.returncode != 0:
+        return None
+    return [*prefix, "sh", "-c", f"{mount} && {script}"]
+
+
+def test_a_write_on_a_full_file_system_keeps_the_previous_file(tmp_path):
+    mountpoint = tmp_path / "small"
+    writer = ("import os, sys\n"
+              "from src.atomic_file import write_text_atomic\n"
+              "final = sys.argv[1]\n"
+              "write_text_atomic(final, 'epoch\\n1\\n')\n"
+              "try:\n"
+              "    write_text_atomic(final, 'x' * 2 * 2 ** 20)\n"
+              "except Exception as exc:\n"
+              "    print(type(exc).__name__, exc)\n"
+              "print(sorted(os.listdir(os.path.dirname(final))), repr(open(final).read()))\n")
+    command = private_tmpfs_command(mountpoint, "1m", f'exec "{sys.executable}" -c "$0" "$1"')
+    if command is None:
+        pytest.skip("no private tmpfs here (unshare and mount not permitted)")
+    process = subprocess.run([*command, writer, str(mountpoint / "metrics.csv")], cwd=REPO, capture_output=True,
+                             text=True, timeout=120, env=script_env())
+    assert process.returncode == 0, process.stderr
+    error, listing = process.stdout.splitlines()
+    assert error.startswith(f"DiskFullError no space left on device writing metrics.csv in {mountpoint} (")
+    assert "free there now): free space there and run again" in error
+    assert listing == "['metrics.csv'] 'epoch\\n1\\n'"
