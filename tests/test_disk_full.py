@@ -13,13 +13,14 @@ import resource
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Iterator, List, Optional
 
 import numpy as np
 import pytest
 
-from conftest import REPO, script_env, temp_files
+from conftest import FAST_ARGS, REPO, assert_one_line_error, read_ckpt_entries, run_script, script_env, temp_files
 from src.atomic_file import DiskFullError, atomic_write, disk_full_cause, write_text_atomic
 from src.errors import UserError
 
@@ -156,3 +157,80 @@ def test_a_write_on_a_full_file_system_keeps_the_previous_file(tmp_path):
     assert error.startswith(f"DiskFullError no space left on device writing metrics.csv in {mountpoint} (")
     assert "free there now): free space there and run again" in error
     assert listing == "['metrics.csv'] 'epoch\\n1\\n'"
+
+
+# ------------------------------------------------------------------------------ train.py
+
+SMALL = ["--model_name", "resnet18", "--batch_size", "8", "--train_num_samples", "32", "--eval_num_samples", "8",
+         *FAST_ARGS]
+CHECKPOINT_MB = 128  # a ResNet-18 training checkpoint (weights, momentum, state): 134,229,9xx bytes
+
+
+def final_files(folder: Path) -> List[str]:
+    return sorted(p.name for p in folder.iterdir())
+
+
+@pytest.mark.slow
+def test_train_stops_in_one_line_when_a_checkpoint_passes_the_file_size_limit(cifar_dir, tmp_path):
+    """Epoch 1 is saved; the resumed run's epoch-2 checkpoint passes ulimit -f (a real limit on the process)."""
+    out = tmp_path / "out"
+    args = ["--data_path", str(cifar_dir), "--output_path", str(out), *SMALL]
+    first = run_script("train.py", args + ["--epoch_size", "1"])
+    assert first.returncode == 0, first.stderr[-3000:]
+    epoch1 = out / "resnet18-epoch001.ckpt"
+    saved = {name: sha256(out / name) for name in final_files(out) if name != "train.log"}
+    last = out / "resnet18-last.ckpt"
+
+    limit = (CHECKPOINT_MB - 28) * MB  # well above every other output, below a checkpoint
+    process = subprocess.run(
+        [sys.executable, str(REPO / "train.py"), *args, "--epoch_size", "2", "--resume", str(last)], cwd=REPO,
+        env=script_env(), capture_output=True, text=True, timeout=600,
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.RLIM_INFINITY)))
+    assert_one_line_error(process, f"file too large writing resnet18-epoch002.ckpt in {out} (",
+                          "ulimit -f", f"and resume with --resume {last}")
+    assert "epoch 2/2 step" in process.stdout  # it trained, then failed on the save
+    assert {name: sha256(out / name) for name in saved} == saved  # epoch 1, last, best, metrics, curves untouched
+    assert final_files(out) == sorted([*saved, "train.log"]) and temp_files(out) == []
+    assert int(read_ckpt_entries(epoch1)["epoch_num"].asnumpy()) == 1  # whole (CRC checked) and resumable
+
+
+@pytest.mark.slow
+def test_train_stops_in_one_line_when_the_disk_fills_during_a_later_checkpoint(cifar_dir, tmp_path):
+    """A real full disk: output_path on a tmpfs with room for one checkpoint and a half. Epoch 1 is saved and
+    read (through /proc/PID/root, as the mount is private to the run); epoch 2's save fills the disk."""
+    mountpoint, state = tmp_path / "small", tmp_path / "state"
+    state.mkdir()
+    out = mountpoint / "out"
+    # The shell stays (keeping the tmpfs) until the test has looked at the folder and says so with state/go.
+    script = (f'"{sys.executable}" "{REPO / "train.py"}" "$@" > "{state}/stdout" 2> "{state}/stderr"; '
+              f'echo $? > "{state}/rc.tmp" && mv "{state}/rc.tmp" "{state}/rc"; '
+              f'while [ ! -e "{state}/go" ]; do sleep 0.1; done')
+    command = private_tmpfs_command(mountpoint, f"{CHECKPOINT_MB * 3 // 2}m", script)
+    if command is None:
+        pytest.skip("no private tmpfs here (unshare and mount not permitted)")
+    shell = subprocess.Popen([*command, "sh", "--data_path", str(cifar_dir), "--output_path", str(out), *SMALL,
+                              "--epoch_size", "3"], cwd=REPO, env=script_env())
+    inside = Path(f"/proc/{shell.pid}/root") / out.relative_to("/")  # the folder as the run sees it
+    try:
+        deadline = time.monotonic() + 300
+        while "epoch 1 done" not in ((state / "stdout").read_text() if (state / "stdout").exists() else ""):
+            assert not (state / "rc").exists() and time.monotonic() < deadline, (state / "stdout").read_text()
+            time.sleep(0.1)
+        epoch1 = sha256(inside / "resnet18-epoch001.ckpt")
+        while not (state / "rc").exists():
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        process = subprocess.CompletedProcess([], int((state / "rc").read_text()), (state / "stdout").read_text(),
+                                              (state / "stderr").read_text())
+        last = out / "resnet18-last.ckpt"
+        assert_one_line_error(process, f"no space left on device writing resnet18-epoch002.ckpt in {out} (",
+                              "free there now): free space there", f"and resume with --resume {last}")
+        assert "epoch 2/3 step" in process.stdout
+        assert final_files(inside) == ["metrics.csv", "resnet18-best.ckpt", "resnet18-epoch001.ckpt",
+                                       "resnet18-last.ckpt", "train.log", "training_curves.png"]
+        assert sha256(inside / "resnet18-epoch001.ckpt") == epoch1 == sha256(inside / "resnet18-last.ckpt")
+        assert int(read_ckpt_entries(inside / "resnet18-last.ckpt")["epoch_num"].asnumpy()) == 1
+        assert (inside / "metrics.csv").read_text().count("\n") == 2  # the header and epoch 1
+    finally:
+        (state / "go").touch()
+        shell.wait(timeout=60)
