@@ -81,8 +81,9 @@ def _megabytes(size: int) -> str:
 class DiskFullError(UserError):
     """A write that failed for want of space (ENOSPC, EDQUOT) or on the file-size limit (EFBIG).
 
-    The message names the file and folder, the space left or the limit, and the fix; then_what is the step after
-    the fix ('run again' by default; train.py names the checkpoint to resume from).
+    The message is '{problem}: {fix} and {then_what}': problem names the file and folder and the space left or
+    the limit; then_what is the step after the fix ('run again' by default; train.py names the checkpoint to
+    resume from).
     """
 
     def __init__(self, path: Path, cause: OSError, then_what: str = "run again") -> None:
@@ -92,15 +93,15 @@ class DiskFullError(UserError):
             limit = _file_size_limit()
             detail = (f"the file-size limit (ulimit -f) is {_megabytes(limit)}" if limit is not None
                       else "larger than the file system allows")
-            fix = "raise the limit (ulimit -f unlimited) or write to another file system"
+            self.fix = "raise the limit (ulimit -f unlimited) or write to another file system"
         else:
             try:
                 detail = f"{_megabytes(shutil.disk_usage(folder).free)} free there now"
             except OSError:
                 detail = cause.strerror or "no space"
-            fix = "free space there"
-        super().__init__(f"{DISK_FULL_ERRNOS[cause.errno]} writing {self.path.name} in {folder} ({detail}): "
-                         f"{fix} and {then_what}")
+            self.fix = "free space there"
+        self.problem = f"{DISK_FULL_ERRNOS[cause.errno]} writing {self.path.name} in {folder} ({detail})"
+        super().__init__(f"{self.problem}: {self.fix} and {then_what}")
 
     def with_then_what(self, then_what: str) -> "DiskFullError":
         """The same error with another step after the fix."""

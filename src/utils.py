@@ -12,6 +12,7 @@ from typing import Optional, Tuple
 import numpy as np
 import mindspore as ms
 
+from src.atomic_file import DiskFullError, disk_full_cause
 from src.errors import UserError, run_cli  # noqa: F401  (run_cli: the scripts' entry wrapper)
 from src.onednn_conv import native_thread_count, resolve_conv_implementation, set_native_threads
 from src.train_step import amp_level_for
@@ -162,6 +163,26 @@ def init_env(config, logger: logging.Logger) -> RunEnv:
                   conv_implementation=conv_implementation)
 
 
+class _LogFileHandler(logging.FileHandler):
+    """A log file that, on a full disk, says so in one line (once) instead of logging's traceback per record.
+
+    The run goes on: the terminal still gets every line, space may be freed before the next save, and a save
+    that fails stops the run with its own one-line error (src.atomic_file)."""
+
+    warned = False
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        cause = disk_full_cause(sys.exc_info()[1])
+        if cause is None:
+            super().handleError(record)
+            return
+        if not self.warned:
+            self.warned = True
+            full = DiskFullError(Path(self.baseFilename), cause)
+            print(f"warning: {full.problem}: {full.fix}; training goes on, but {Path(self.baseFilename).name} "
+                  "misses its lines until then", file=sys.stderr, flush=True)
+
+
 def get_logger(output_path: Optional[str] = None, log_name: str = "train.log", rank_id: int = 0) -> logging.Logger:
     """Logs to the terminal and, on rank 0, to output_path/log_name."""
     logger = logging.getLogger("resnet")
@@ -177,7 +198,7 @@ def get_logger(output_path: Optional[str] = None, log_name: str = "train.log", r
     logger.addHandler(console)
     if output_path and rank_id == 0:
         Path(output_path).mkdir(parents=True, exist_ok=True)
-        file_handler = logging.FileHandler(Path(output_path) / log_name, encoding="utf-8")
+        file_handler = _LogFileHandler(Path(output_path) / log_name, encoding="utf-8")
         file_handler.setFormatter(formatter)
         logger.addHandler(file_handler)
     return logger

@@ -118,6 +118,30 @@ def test_other_failures_are_not_called_a_full_disk(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_full_log_file_is_one_warning_and_the_run_goes_on(tmp_path, capfd):
+    """train.log past the limit: one warning line, not logging's traceback per record; the terminal keeps every
+    line."""
+    from src.utils import get_logger
+    log_file = tmp_path / "train.log"
+    log_file.write_text("earlier run\n" * (MB // 12))
+    logger = get_logger(str(tmp_path), "train.log")
+    try:
+        with file_size_limit(log_file.stat().st_size + 100):
+            for step in range(20):
+                logger.info("epoch 1 step %d", step)
+    finally:
+        for handler in list(logger.handlers):
+            logger.removeHandler(handler)
+            handler.close()
+    captured = capfd.readouterr()
+    assert "Logging error" not in captured.err and "Traceback" not in captured.err
+    assert captured.err.splitlines() == [
+        f"warning: file too large writing train.log in {tmp_path} (the file-size limit (ulimit -f) is 1.0 MB): "
+        "raise the limit (ulimit -f unlimited) or write to another file system; training goes on, but train.log "
+        "misses its lines until then"]
+    assert captured.out.count("epoch 1 step") == 20
+
+
 # ------------------------------------------------------------------------------ a full tmpfs (ENOSPC)
 
 def private_tmpfs_command(mountpoint: Path, size: str, script: str) -> Optional[List[str]]:
