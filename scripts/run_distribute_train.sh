@@ -48,6 +48,11 @@ ARGS+=("${OPTIONS[@]}")
 OUTPUT_PATH="$(config_value output_path "${ARGS[@]}")" || exit 2
 MODEL_NAME="$(config_value model_name "${ARGS[@]}")" || exit 2
 LOG_DIR="$OUTPUT_PATH/msrun_log"
+# A train.py running on OUTPUT_PATH holds its lock (src/output_lock.py): refused before msrun truncates that
+# run's logs in LOG_DIR. Only node 0: rank 0, which takes the lock, runs there.
+if [[ "$NODE_RANK" -eq 0 ]]; then
+    PYTHONPATH="$REPO_DIR${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON_BIN" -m src.output_lock "$OUTPUT_PATH" || exit 2
+fi
 mkdir -p "$LOG_DIR" || die "cannot create $LOG_DIR"
 
 MSRUN_ARGS=(--worker_num="$((DEVICE_NUM * NODE_NUM))" --local_worker_num="$DEVICE_NUM"

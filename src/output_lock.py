@@ -12,7 +12,7 @@ import os
 import sys
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator, Optional, Union
+from typing import Iterator, List, Optional, Union
 
 from src.errors import UserError
 
@@ -90,3 +90,22 @@ def output_folder_lock(output_path: Union[str, Path], rank: int = 0, script: str
         except OSError:
             pass
         os.close(handle)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """python -m src.output_lock OUTPUT_PATH: exits 2 with the refusal line while a train.py runs on OUTPUT_PATH.
+
+    For the distributed launcher, which writes msrun's logs into OUTPUT_PATH/msrun_log (msrun truncates them)
+    before its rank 0 takes the lock: a running job's logs are not overwritten.
+    """
+    args = list(sys.argv[1:] if argv is None else argv)
+    if len(args) != 1:
+        raise UserError("usage: python -m src.output_lock OUTPUT_PATH")
+    with output_folder_lock(args[0]):
+        pass
+    return 0
+
+
+if __name__ == "__main__":
+    from src.errors import run_cli
+    run_cli(main)

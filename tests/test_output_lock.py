@@ -77,6 +77,22 @@ def test_only_rank_0_locks(tmp_path, rank):
         holder.wait(timeout=60)
 
 
+@pytest.mark.slow
+def test_the_distributed_launcher_is_refused_before_msrun_writes_its_logs(tmp_path):
+    """msrun truncates OUTPUT_PATH/msrun_log/*.log as it starts: a running job's folder is refused before that."""
+    folder = tmp_path / "out"
+    holder = start_holder(folder)
+    try:
+        launcher = subprocess.run(["bash", str(REPO / "scripts" / "run_distribute_train.sh"), "2", "--output_path",
+                                   str(folder)], cwd=REPO, env=script_env({"PYTHON": sys.executable}),
+                                  capture_output=True, text=True, timeout=120)
+        assert_one_line_error(launcher, f"output folder {folder} is in use by another train.py (PID {holder.pid})")
+        assert sorted(p.name for p in folder.iterdir()) == [LOCK_NAME]  # no msrun_log
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=60)
+
+
 # ------------------------------------------------------------------------------------------------ train.py
 
 SMALL = ["--model_name", "resnet18", "--batch_size", "8", "--train_num_samples", "32", "--eval_num_samples", "8",
