@@ -55,22 +55,25 @@ def _open_locked(path: Path) -> Optional[int]:
 def output_folder_lock(output_path: Union[str, Path], rank: int = 0, script: str = "train.py") -> Iterator[None]:
     """Holds output_path's lock for the block (rank 0 only; other ranks pass through).
 
-    Raises UserError, naming the folder and the running process's PID, when another process holds it. Creates
-    the folder. Where the file system cannot lock, prints a warning and runs unlocked.
+    Raises UserError, naming the folder and the running process's PID, when another process holds it, and when
+    the folder cannot be written. Creates the folder. Where the file system cannot lock, prints a warning and runs unlocked.
     """
     if rank != 0:
         yield
         return
     folder = Path(output_path)
-    folder.mkdir(parents=True, exist_ok=True)
     path = folder / LOCK_NAME
     try:
+        folder.mkdir(parents=True, exist_ok=True)
         handle = _open_locked(path)
     except BlockingIOError:
         holder = lock_holder(path)
         who = f"PID {holder}" if holder is not None else "a process whose PID is not known yet"
         raise UserError(f"output folder {folder} is in use by another {script} ({who}): wait for it to finish, "
                         "or pass another --output_path") from None
+    except OSError as exc:  # the first write to output_path: not a folder, read-only, no permission
+        raise UserError(f"cannot write in output folder {folder} ({exc.strerror or exc}): pass another "
+                        "--output_path, or make it writable") from None
     if handle is None:
         print(f"warning: cannot lock {path} on this file system: a second {script} on {folder} would not be "
               "refused", file=sys.stderr, flush=True)

@@ -77,6 +77,15 @@ def test_only_rank_0_locks(tmp_path, rank):
         holder.wait(timeout=60)
 
 
+def test_a_folder_that_cannot_be_written_is_one_line(tmp_path):
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(UserError) as excinfo:
+        with output_folder_lock(tmp_path / "a-file" / "out"):
+            pass
+    one_line_user_error(excinfo, f"cannot write in output folder {tmp_path / 'a-file' / 'out'} (",
+                        "pass another --output_path")
+
+
 @pytest.mark.slow
 def test_the_distributed_launcher_is_refused_before_msrun_writes_its_logs(tmp_path):
     """msrun truncates OUTPUT_PATH/msrun_log/*.log as it starts: a running job's folder is refused before that."""
