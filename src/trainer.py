@@ -117,8 +117,8 @@ class Trainer:
         self.learning_rates = schedule_from_config(config, self.steps_per_epoch)
         self.optimizer = build_optimizer(config, self.net.trainable_params(), self.learning_rates)
         self.amp = resolve_amp(config, env.device_target, logger)
-        self.step = build_train_step(self.net, self.optimizer, config, self.amp)
         self.sink_mode = config.dataset_sink_mode
+        self.step = build_train_step(self.net, self.optimizer, config, self.amp, sink=self.sink_mode)
         self.device_queue = self.sink_mode and env.device_target != "CPU"
         if self.sink_mode:
             sink = f"sinks of {config.sink_size} steps" if config.sink_size > 0 else "one sink per epoch"
@@ -278,7 +278,7 @@ class Trainer:
         # The fused inference network is built once and refreshed with the current weights each time.
         self.inference_net = inference_network(self.net, self.inference_net)
         result = evaluate(self.inference_net, self.eval_dataset, self.config.class_num, self.env.group_size)
-        self.step.set_train(True)
+        self.step.train_step.set_train(True)
         self.logger.info("epoch %d eval: top-1 %.4f top-5 %.4f loss %.4f on %d images (%.1f s)%s", epoch, result.top1,
                          result.top5, result.loss, result.num_samples, time.perf_counter() - started,
                          " [SYNTHETIC data]" if self.data.synthetic else "")
