@@ -91,6 +91,16 @@ def test_a_dynamic_loss_scale_skips_overflowing_steps_and_counts_them(cifar_dir,
     assert saved == scales[-1] and saved == start / 2 ** skipped  # the checkpoint resumes with the lowered scale
 
 
+@pytest.mark.slow
+def test_a_float32_checkpoint_resumes_with_loss_scaling_from_the_configured_scale(straight, cifar_dir, tmp_path):
+    process = train(cifar_dir, tmp_path, "--amp_level", "O1", "--loss_scale_type", "dynamic", "--loss_scale", "512",
+                    "--resume", str(straight[0] / "resnet18-epoch001.ckpt"))
+    assert "has no loss-scale state: starting it from --loss_scale 512" in process.stdout
+    assert "resumed from" in process.stdout and "amp_level O1, dynamic loss scale 512" in process.stdout
+    assert [row["epoch"] for row in read_metrics(tmp_path)[1]] == ["2"]
+    assert float(read_ckpt_entries(tmp_path / "resnet18-last.ckpt")["scale_sense"].asnumpy()) == 512.0
+
+
 def test_blocked_convolutions_refuse_float16_and_auto_falls_back():
     with pytest.raises(UserError) as excinfo:
         resolve_conv_implementation("onednn_blocked", "CPU", "O2")
