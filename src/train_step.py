@@ -59,17 +59,57 @@ def _tensor_finite(grad):
     return ops.isfinite(grad).all()
 
 
+_unscale = ops.MultitypeFuncGraph("_unscale")
+
+
+@_unscale.register("Tensor", "Tensor")
+def _tensor_unscale(scale, grad):
+    return grad * ops.cast(ops.reciprocal(scale), grad.dtype)
+
+
+class ClippedTrainStep(nn.TrainOneStepCell):
+    """MindSpore's TrainOneStepCell with the gradients clipped to a global L2 norm of max_norm before the update
+    (torch's clip_grad_norm_)."""
+
+    def __init__(self, network: nn.Cell, optimizer: nn.Optimizer, max_norm: float) -> None:
+        super().__init__(network, optimizer)
+        self.max_norm = max_norm
+
+    def construct(self, *inputs):
+        loss = self.network(*inputs)
+        grads = self.grad_no_sens(self.network, self.weights)(*inputs)
+        grads = ops.clip_by_global_norm(self.grad_reducer(grads), self.max_norm)
+        return ops.depend(loss, self.optimizer(grads))
+
+
 class LossScaledTrainStep(nn.TrainOneStepWithLossScaleCell):
-    """MindSpore's loss-scaled training step (the optimizer update is skipped on overflow); returns
-    (loss, overflow, loss scale).
+    """MindSpore's loss-scaled training step (the optimizer update is skipped on overflow), with the unscaled
+    gradients clipped to a global L2 norm of max_norm (0: not clipped); returns (loss, overflow, loss scale).
 
     On CPU the overflow is found with IsFinite on the gradients: MindSpore's own check reads Ascend's float
     status registers (NPUGetFloatStatusV2), which the CPU backend has no kernel for.
     """
 
-    def __init__(self, network: nn.Cell, optimizer: nn.Optimizer, scale_sense) -> None:
+    def __init__(self, network: nn.Cell, optimizer: nn.Optimizer, scale_sense, max_norm: float = 0.0) -> None:
         super().__init__(network, optimizer, scale_sense)
         self.check_with_isfinite = ms.get_context("device_target") == "CPU"
+        self.max_norm = max_norm
+
+    def construct(self, *inputs):
+        # TrainOneStepWithLossScaleCell.construct, with the clipping between the overflow check and the update.
+        loss = self.network(*inputs)
+        scaling_sens = self.scale_sense
+        status = Tensor([0] * 8, ms.int32)
+        scaling_sens_filled = ops.ones_like(loss) * ops.cast(scaling_sens, ops.dtype(loss))
+        grads = self.grad(self.network, self.weights)(*inputs, scaling_sens_filled)
+        grads = self.grad_reducer(self.hyper_map(ops.partial(_unscale, scaling_sens), grads))
+        cond = self.get_overflow_status(status, grads)
+        overflow = self.process_loss_scale(cond)
+        if self.max_norm > 0:
+            grads = ops.clip_by_global_norm(grads, self.max_norm)
+        if not overflow:
+            loss = ops.depend(loss, self.optimizer(grads))
+        return loss, cond, scaling_sens
 
     def get_overflow_status(self, status, compute_output):
         if not self.check_with_isfinite:
@@ -153,12 +193,14 @@ def build_train_step(net: nn.Cell, optimizer: nn.Optimizer, config, amp: AmpSett
     totals read_totals returns: on the device for sinks (sink), else on the host.
 
     Without loss scaling it is MindSpore's build_train_network (TrainOneStepCell, the fastest step measured on
-    CPU). With it, the same network in LossScaledTrainStep: a fixed scale (the update skipped on overflow; the
-    trainer then stops) or DynamicLossScaleManager's update cell.
+    CPU), or ClippedTrainStep with grad_clip_norm. With it, the same network in LossScaledTrainStep: a fixed scale
+    (the update skipped on overflow; the trainer then stops) or DynamicLossScaleManager's update cell.
     """
     loss_fn = nn.CrossEntropyLoss(label_smoothing=config.label_smoothing)
     # loss_scale_manager=None: the level's default manager (dynamic for O2) is refused on CPU.
     train_step = ms.amp.build_train_network(net, optimizer, loss_fn, level=amp.level, loss_scale_manager=None)
+    if amp.loss_scale is None and config.grad_clip_norm > 0:
+        train_step = ClippedTrainStep(train_step.network, optimizer, config.grad_clip_norm)
     if amp.loss_scale is not None:
         # MindSpore's build_train_network refuses a loss-scale manager on CPU: the network with its loss (and
         # the level's casts) it built is wrapped in the loss-scaled step here instead.
@@ -167,7 +209,7 @@ def build_train_step(net: nn.Cell, optimizer: nn.Optimizer, config, amp: AmpSett
                                                          DYNAMIC_SCALE_WINDOW).get_update_cell()
         else:
             scale_sense = Tensor(np.float32(amp.loss_scale))
-        train_step = LossScaledTrainStep(train_step.network, optimizer, scale_sense)
+        train_step = LossScaledTrainStep(train_step.network, optimizer, scale_sense, config.grad_clip_norm)
     train_step.set_train()
     if not sink:
         return StepWithHostTotals(train_step, loss_scaled=amp.loss_scale is not None)

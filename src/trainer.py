@@ -77,15 +77,26 @@ def weights_digest(net: nn.Cell) -> str:
 
 
 def build_optimizer(config, params, learning_rates: np.ndarray) -> nn.Optimizer:
-    """Adam or momentum SGD over params, with weight decay on every parameter as in torch.optim.
+    """Adam or momentum SGD (Nesterov with config.nesterov) over params, with weight decay on every parameter as in
+    torch.optim, or, with config.no_weight_decay_bn_bias, on every parameter but BatchNorm's and biases (1-D ones).
 
-    The parameters go in as one group: given a plain list, MindSpore's optimizers skip weight decay for
+    The parameters go in as explicit groups: given a plain list, MindSpore's optimizers skip weight decay for
     BatchNorm gamma/beta, which the reference's torch.optim.Adam does not.
     """
     lr = ms.Tensor(learning_rates)
-    group = [{"params": list(params), "weight_decay": config.weight_decay}]
+    params = list(params)
+    if config.no_weight_decay_bn_bias:
+        decayed = [p for p in params if len(p.shape) > 1]
+        group = [{"params": decayed, "weight_decay": config.weight_decay},
+                 {"params": [p for p in params if len(p.shape) <= 1], "weight_decay": 0.0}]
+    else:
+        group = [{"params": params, "weight_decay": config.weight_decay}]
     if config.optimizer == "adam":
         return nn.Adam(group, learning_rate=lr)
+    if config.nesterov:
+        # nn.SGD: MindSpore 2.10's nn.Momentum ignores use_nesterov on CPU (its updates equal plain momentum's);
+        # nn.SGD's match torch.optim.SGD(nesterov=True) (tests/test_optimizer.py).
+        return nn.SGD(group, learning_rate=lr, momentum=config.momentum, nesterov=True)
     return nn.Momentum(group, learning_rate=lr, momentum=config.momentum)
 
 

@@ -39,3 +39,20 @@ def test_poly_decays_with_the_given_power():
 def test_unknown_schedule_is_refused():
     with pytest.raises(ValueError, match="unknown lr_schedule"):
         build_lr_schedule("linear", 0.1, 1, 1)
+
+
+@pytest.mark.parametrize("total, pct_start", [(100, 0.3), (37, 0.25), (500, 0.1)])
+def test_onecycle_matches_torch_one_cycle_lr(total, pct_start):
+    torch = pytest.importorskip("torch")
+    final = 0.1 / 25 / 1e4  # torch's default end: the start rate / final_div_factor
+    ours = build_lr_schedule("onecycle", 0.1, epochs=1, steps_per_epoch=total, lr_min=final,
+                             onecycle_pct_start=pct_start)
+    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+    scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.1, total_steps=total, pct_start=pct_start,
+                                                    anneal_strategy="cos", cycle_momentum=False)
+    theirs = []
+    for _ in range(total):
+        theirs.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    assert np.abs(ours - np.array(theirs)).max() <= 1e-8

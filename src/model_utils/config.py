@@ -22,7 +22,7 @@ CHOICES: Dict[str, Tuple[str, ...]] = {
     "conv_implementation": ("auto", "onednn_blocked", "mindspore"),
     "model_name": MODEL_NAMES,
     "optimizer": ("adam", "momentum"),
-    "lr_schedule": ("constant", "cosine", "step", "poly"),
+    "lr_schedule": ("constant", "cosine", "step", "poly", "onecycle"),
     "amp_level": ("auto", "O0", "O1", "O2", "O3"),
     "loss_scale_type": ("fixed", "dynamic"),
     "file_format": ("MINDIR", "ONNX", "AIR"),
@@ -45,9 +45,11 @@ VALUE_RULES: Dict[str, Tuple[Callable[[Any], bool], str]] = {
     "lr_step_epochs": (lambda v: v >= 1, "at least 1"),
     "lr_gamma": (lambda v: 0 < v <= 1, "in (0, 1]"),
     "lr_poly_power": (lambda v: v > 0, "greater than 0"),
+    "onecycle_pct_start": (lambda v: 0 < v < 1, "in (0, 1)"),
     "momentum": (lambda v: 0 <= v < 1, "in [0, 1)"),
     "weight_decay": (lambda v: v >= 0, "0 or more"),
     "label_smoothing": (lambda v: 0 <= v < 1, "in [0, 1)"),
+    "grad_clip_norm": (lambda v: v >= 0, "0 (off) or greater"),
     "loss_scale": (lambda v: v >= 1, "at least 1"),
     "sink_size": (lambda v: v == -1 or v >= 1, "-1 (the whole epoch) or at least 1"),
     "save_checkpoint_steps": (lambda v: v >= 0, "0 (epoch ends only) or a positive count"),
@@ -157,6 +159,12 @@ def _check_values(values: Dict[str, Any]) -> None:
     for key, (test, wanted) in VALUE_RULES.items():
         if not test(values[key]):
             raise UserError(f"config key '{key}' must be {wanted}, got {values[key]!r}")
+    if values["nesterov"] and values["optimizer"] != "momentum":
+        raise UserError(f"config key 'nesterov' needs optimizer momentum, got optimizer {values['optimizer']!r}: "
+                        "set --optimizer momentum or --nesterov false")
+    if values["lr_schedule"] == "onecycle" and values["warmup_epochs"]:
+        raise UserError("config key 'warmup_epochs' must be 0 with lr_schedule onecycle, which rises on its own "
+                        "(onecycle_pct_start)")
     if values["warmup_epochs"] > values["epoch_size"]:
         raise UserError(f"config key 'warmup_epochs' ({values['warmup_epochs']}) must not exceed "
                         f"'epoch_size' ({values['epoch_size']})")
