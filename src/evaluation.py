@@ -111,7 +111,8 @@ def run_evaluation(config, env, logger: logging.Logger) -> Dict:
 
     data = prepare_data(config, logger, training=False)
     net = build_resnet(config.model_name, config.class_num, conv_implementation=env.conv_implementation)
-    load_weights_report(net, config.checkpoint_path, config.model_name, logger, sha256=config.checkpoint_sha256)
+    load_weights_report(net, config.checkpoint_path, config.model_name, logger, sha256=config.checkpoint_sha256,
+                        use_ema=config.use_ema)
     dataset = create_dataset(data.eval_path, False, config.batch_size, (config.image_height, config.image_width),
                              env.group_size, env.rank_id, config.eval_num_samples, config.num_parallel_workers,
                              config.seed)

@@ -229,7 +229,8 @@ def run_export(config, env, logger: logging.Logger) -> Tuple[int, Dict]:
     final = export_path(config.output_path, config.file_name, config.model_name, config.file_format)
     image_size = (config.image_height, config.image_width)
     net = build_resnet(config.model_name, config.class_num)
-    load_weights_report(net, config.checkpoint_path, config.model_name, logger, sha256=config.checkpoint_sha256)
+    load_weights_report(net, config.checkpoint_path, config.model_name, logger, sha256=config.checkpoint_sha256,
+                        use_ema=config.use_ema)
     logger.info("exporting %s (%s, %d classes) as %s, input %s", config.checkpoint_path, config.model_name,
                 config.class_num, config.file_format,
                 input_shape(config.batch_size, image_size, config.dynamic_batch))

@@ -127,15 +127,16 @@ class Classifier:
 
 def network_classifier(checkpoint_path: str, model_name: str, class_num: int, image_size: Tuple[int, int],
                        logger: Optional[logging.Logger] = None, sha256: str = "",
-                       conv_implementation: str = "mindspore") -> Classifier:
-    """The network with a checkpoint's weights, loaded through src.weights.loading.load_weights_report (any
-    format it reads: this project's .ckpt, PyTorch .pth, models-zoo and mindcv checkpoints)."""
+                       conv_implementation: str = "mindspore", use_ema: bool = True) -> Classifier:
+    """The network with a checkpoint's weights (its EMA weights when it has them and use_ema), loaded through
+    src.weights.loading.load_weights_report (any format it reads: this project's .ckpt, PyTorch .pth, models-zoo
+    and mindcv checkpoints)."""
     import mindspore as ms
     from src.fused_inference import inference_network
     from src.resnet import build_resnet
     from src.weights.loading import load_weights_report
     net = build_resnet(model_name, class_num, conv_implementation=conv_implementation)
-    load_weights_report(net, checkpoint_path, model_name, logger, sha256=sha256)
+    load_weights_report(net, checkpoint_path, model_name, logger, sha256=sha256, use_ema=use_ema)
     inference_net = inference_network(net)  # in inference mode; fused into one native call a layer when it can
     return Classifier(run=lambda batch: inference_net(ms.Tensor(batch)).asnumpy(), image_size=tuple(image_size),
                       class_num=class_num, fixed_batch=None, description=f"{model_name} from {checkpoint_path}")
@@ -189,7 +190,7 @@ def mindir_classifier(path: str, image_size: Tuple[int, int], class_num: int, sh
 
 def load_classifier(model_path: str, model_name: str, class_num: int, image_size: Tuple[int, int],
                     logger: Optional[logging.Logger] = None, sha256: str = "",
-                    conv_implementation: str = "mindspore") -> Classifier:
+                    conv_implementation: str = "mindspore", use_ema: bool = True) -> Classifier:
     """A .mindir runs as exported; anything else is a checkpoint for load_weights_report. Raises UserError."""
     if not model_path:
         raise UserError("no model given: pass --checkpoint_path FILE (.ckpt, .pth or an exported .mindir)")
@@ -199,7 +200,8 @@ def load_classifier(model_path: str, model_name: str, class_num: int, image_size
                         "pass a .ckpt, a .pth or a .mindir")
     if suffix == ".mindir":
         return mindir_classifier(model_path, image_size, class_num, sha256)
-    return network_classifier(model_path, model_name, class_num, image_size, logger, sha256, conv_implementation)
+    return network_classifier(model_path, model_name, class_num, image_size, logger, sha256, conv_implementation,
+                              use_ema)
 
 
 # ---------------------------------------------------------------- prediction
@@ -268,7 +270,7 @@ def run_predict(config, env, logger: logging.Logger) -> Tuple[int, Dict]:
     # The model first: its class count decides how many names the class_names_file must have.
     classifier = load_classifier(config.checkpoint_path, config.model_name, config.class_num,
                                  (config.image_height, config.image_width), logger, config.checkpoint_sha256,
-                                 env.conv_implementation)
+                                 env.conv_implementation, config.use_ema)
     names = load_class_names(config.class_names_file, classifier.class_num)
     logger.info("classifying %d file(s) with %s at %dx%d", len(paths), classifier.description,
                 *classifier.image_size)

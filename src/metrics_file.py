@@ -7,7 +7,8 @@ from typing import Dict, List, Optional
 from src.atomic_file import write_text_atomic
 
 COLUMNS = ("epoch", "lr", "train_loss", "eval_loss", "top1", "top5", "epoch_seconds", "images_per_second",
-           "skipped_steps")  # steps whose update a loss-scale overflow skipped
+           "skipped_steps",  # steps whose update a loss-scale overflow skipped
+           "ema_eval_loss", "ema_top1", "ema_top5")  # the EMA weights' evaluation (ema_decay)
 
 
 class MetricsFile:

@@ -9,6 +9,8 @@ import numpy as np
 import mindspore as ms
 from mindspore import Parameter, Tensor, nn, ops
 
+from src.ema import WeightsEma
+
 # amp_level auto: the level MindSpore recommends per device (O3 for Ascend, O2 for GPU); fp32 on CPU.
 AUTO_AMP_LEVEL = {"Ascend": "O3", "GPU": "O2", "CPU": "O0"}
 # Dynamic loss scale: MindSpore's DynamicLossScaleManager defaults (halve on overflow, double after this many
@@ -126,10 +128,12 @@ class StepWithTotals(nn.Cell):
     weights and the number of steps skipped for a loss-scale overflow. The host reads them once per sink
     (read_totals), so it never waits on the device between a sink's steps."""
 
-    def __init__(self, train_step: nn.Cell, loss_scaled: bool) -> None:
+    def __init__(self, train_step: nn.Cell, loss_scaled: bool, ema: Optional[WeightsEma] = None) -> None:
         super().__init__(auto_prefix=False)  # the parameters keep their names (and checkpoints theirs)
         self.train_step = train_step
         self.loss_scaled = loss_scaled
+        self.ema = ema
+        self.has_ema = ema is not None
         # Not saved in checkpoints (the trainer saves train_step); their values go to TrainingState.
         self.loss_sum = Parameter(Tensor(0.0, ms.float32), name="window_totals.loss_sum", requires_grad=False)
         self.skipped_steps = Parameter(Tensor(0.0, ms.float32), name="window_totals.skipped_steps",
@@ -141,6 +145,8 @@ class StepWithTotals(nn.Cell):
         else:
             loss = self.train_step(images, labels)
             overflow = ops.zeros((), ms.bool_)
+        if self.has_ema:
+            loss = ops.depend(loss, self.ema())  # after the update: MindSpore orders side effects as written
         skipped = ops.cast(overflow, ms.float32)
         loss = ops.depend(loss, ops.assign_add(self.loss_sum, ops.select(overflow, ops.zeros_like(loss), loss)))
         loss = ops.depend(loss, ops.assign_add(self.skipped_steps, skipped))
@@ -163,13 +169,16 @@ class StepWithHostTotals:
     each step's own outputs (on CPU, updating and resetting device totals every step made ResNet-50's step
     measurably slower; reading the step's outputs adds nothing)."""
 
-    def __init__(self, train_step: nn.Cell, loss_scaled: bool) -> None:
+    def __init__(self, train_step: nn.Cell, loss_scaled: bool, ema: Optional[WeightsEma] = None) -> None:
         self.train_step = train_step
         self.loss_scaled = loss_scaled
+        self.ema = ema
         self.loss_sum, self.skipped_steps = 0.0, 0
 
     def __call__(self, images, labels):
         output = self.train_step(images, labels)
+        if self.ema is not None:
+            self.ema()
         loss = output[0] if self.loss_scaled else output
         if self.loss_scaled and bool(output[1].asnumpy()):
             self.skipped_steps += 1
@@ -187,10 +196,11 @@ class StepWithHostTotals:
         return float(self.train_step.scale_sense.asnumpy()) if self.loss_scaled else None
 
 
-def build_train_step(net: nn.Cell, optimizer: nn.Optimizer, config, amp: AmpSetting,
-                     sink: bool = False) -> Union[StepWithTotals, StepWithHostTotals]:
+def build_train_step(net: nn.Cell, optimizer: nn.Optimizer, config, amp: AmpSetting, sink: bool = False,
+                     ema: Optional[WeightsEma] = None) -> Union[StepWithTotals, StepWithHostTotals]:
     """net's training step with config's loss (cross-entropy, label smoothing) at amp's precision, keeping the
-    totals read_totals returns: on the device for sinks (sink), else on the host.
+    totals read_totals returns: on the device for sinks (sink), else on the host; ema, when given, is updated
+    after every step.
 
     Without loss scaling it is MindSpore's build_train_network (TrainOneStepCell, the fastest step measured on
     CPU), or ClippedTrainStep with grad_clip_norm. With it, the same network in LossScaledTrainStep: a fixed scale
@@ -212,7 +222,7 @@ def build_train_step(net: nn.Cell, optimizer: nn.Optimizer, config, amp: AmpSett
         train_step = LossScaledTrainStep(train_step.network, optimizer, scale_sense, config.grad_clip_norm)
     train_step.set_train()
     if not sink:
-        return StepWithHostTotals(train_step, loss_scaled=amp.loss_scale is not None)
-    step = StepWithTotals(train_step, loss_scaled=amp.loss_scale is not None)
+        return StepWithHostTotals(train_step, amp.loss_scale is not None, ema)
+    step = StepWithTotals(train_step, amp.loss_scale is not None, ema)
     step.set_train()
     return step

@@ -7,7 +7,7 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import numpy as np
 import mindspore as ms
@@ -16,6 +16,7 @@ from mindspore import nn
 from src.collectives import all_reduce_sum, barrier
 from src.data_source import DataSource, prepare_data
 from src.dataset import create_dataset
+from src.ema import WeightsEma
 from src.errors import UserError
 from src.evaluation import EvalResult, average_batchnorm_statistics, evaluate
 from src.fused_inference import inference_network
@@ -125,11 +126,14 @@ class Trainer:
                                 env.conv_implementation)
         load_pretrained(self.net, config, logger)  # --pretrained weights; the --resume file's checkpoint_sha256
         self.inference_net: Optional[nn.Cell] = None  # what evaluation runs: see _evaluate_if_due
+        self.ema = WeightsEma(self.net, config.ema_decay) if config.ema_decay > 0 else None
+        self.ema_net: Optional[nn.Cell] = None  # a network holding the EMA's weights, to evaluate them
+        self.ema_inference_net: Optional[nn.Cell] = None
         self.learning_rates = schedule_from_config(config, self.steps_per_epoch)
         self.optimizer = build_optimizer(config, self.net.trainable_params(), self.learning_rates)
         self.amp = resolve_amp(config, env.device_target, logger)
         self.sink_mode = config.dataset_sink_mode
-        self.step = build_train_step(self.net, self.optimizer, config, self.amp, sink=self.sink_mode)
+        self.step = build_train_step(self.net, self.optimizer, config, self.amp, sink=self.sink_mode, ema=self.ema)
         self.device_queue = self.sink_mode and env.device_target != "CPU"
         if self.sink_mode:
             sink = f"sinks of {config.sink_size} steps" if config.sink_size > 0 else "one sink per epoch"
@@ -141,10 +145,11 @@ class Trainer:
         self.state = TrainingState()
         if config.resume:
             self.state = restore_training_state(config.resume, self.net, self.step.train_step, config,
-                                                self.steps_per_epoch, logger)
+                                                self.steps_per_epoch, logger, self.ema)
             logger.info("resumed from %s at epoch %d step %d", config.resume, self.state.epoch_num + 1,
                         self.state.step_in_epoch)
-        self.checkpoints = CheckpointWriter(config.output_path, config, self.steps_per_epoch)
+        self.checkpoints = CheckpointWriter(config.output_path, config, self.steps_per_epoch,
+                                            self.ema.average_parameters() if self.ema else ())
         self.metrics = MetricsFile(str(Path(config.output_path) / "metrics.csv"),
                                    keep_epochs_up_to=self.state.epoch_num if config.resume else None)
 
@@ -238,10 +243,10 @@ class Trainer:
         train_loss = state.epoch_loss_sum / counted if counted else None
         skipped = state.epoch_skipped_steps
         state.epoch_num, state.step_in_epoch, state.epoch_loss_sum, state.epoch_skipped_steps = epoch + 1, 0, 0.0, 0
-        average_batchnorm_statistics(self.net, self.env.group_size)  # before evaluating and saving
-        result = self._evaluate_if_due()
+        self._average_batchnorm_statistics()  # before evaluating and saving
+        result, ema_result = self._evaluate_if_due()
         self._record_epoch(train_loss, skipped, seconds, (self.steps_per_epoch - first_step) * images_per_step,
-                           result)
+                           result, ema_result)
         signum = self._agreed_stop(stop)
         if signum is not None:  # arrived during evaluation: the epoch checkpoint is the resume point
             self._stop(signum, save=False)
@@ -258,10 +263,15 @@ class Trainer:
                             f"at epoch {epoch} {steps} (their updates were skipped): lower --loss_scale or use "
                             "--loss_scale_type dynamic")
 
+    def _average_batchnorm_statistics(self) -> None:
+        """Averages the ranks' BatchNorm moving statistics (see evaluation.average_batchnorm_statistics), and their
+        EMA's: the EMA cell's parameters include the network's, so one collective does both."""
+        average_batchnorm_statistics(self.ema if self.ema is not None else self.net, self.env.group_size)
+
     def _save_step_checkpoint(self) -> None:
         # The ranks' BatchNorm moving statistics are averaged first, as at the end of an epoch (see _stop): the
         # epoch-end average is unchanged by it, and every rank resumes from the same values.
-        average_batchnorm_statistics(self.net, self.env.group_size)
+        self._average_batchnorm_statistics()
         if self.env.is_main_rank:
             path = self.checkpoints.save_step(self.step.train_step, self.state)
             self.logger.info("saved %s", path)
@@ -281,22 +291,36 @@ class Trainer:
             return signal.SIGTERM
         return signal.SIGINT if saw_int else None
 
-    def _evaluate_if_due(self) -> Optional[EvalResult]:
+    def _evaluate_if_due(self) -> Tuple[Optional[EvalResult], Optional[EvalResult]]:
+        """(the raw weights' result, the EMA's) when this epoch is evaluated, else (None, None)."""
         epoch = self.state.epoch_num
         if epoch % self.config.eval_interval and epoch != self.config.epoch_size:
-            return None
-        started = time.perf_counter()
+            return None, None
         # The fused inference network is built once and refreshed with the current weights each time.
         self.inference_net = inference_network(self.net, self.inference_net)
-        result = evaluate(self.inference_net, self.eval_dataset, self.config.class_num, self.env.group_size)
+        result = self._evaluate(self.inference_net, "")
+        ema_result = None
+        if self.ema is not None:
+            if self.ema_net is None:
+                config = self.config
+                self.ema_net = build_resnet(config.model_name, config.class_num, config.zero_init_residual,
+                                            self.env.conv_implementation)
+            self.ema.copy_to(self.ema_net)
+            self.ema_inference_net = inference_network(self.ema_net, self.ema_inference_net)
+            ema_result = self._evaluate(self.ema_inference_net, " (EMA weights)")
         self.step.train_step.set_train(True)
-        self.logger.info("epoch %d eval: top-1 %.4f top-5 %.4f loss %.4f on %d images (%.1f s)%s", epoch, result.top1,
-                         result.top5, result.loss, result.num_samples, time.perf_counter() - started,
-                         " [SYNTHETIC data]" if self.data.synthetic else "")
+        return result, ema_result
+
+    def _evaluate(self, net: nn.Cell, label: str) -> EvalResult:
+        started = time.perf_counter()
+        result = evaluate(net, self.eval_dataset, self.config.class_num, self.env.group_size)
+        self.logger.info("epoch %d eval%s: top-1 %.4f top-5 %.4f loss %.4f on %d images (%.1f s)%s",
+                         self.state.epoch_num, label, result.top1, result.top5, result.loss, result.num_samples,
+                         time.perf_counter() - started, " [SYNTHETIC data]" if self.data.synthetic else "")
         return result
 
     def _record_epoch(self, train_loss: Optional[float], skipped: int, seconds: float, images: int,
-                      result: Optional[EvalResult]) -> None:
+                      result: Optional[EvalResult], ema_result: Optional[EvalResult]) -> None:
         state = self.state
         is_best = result is not None and result.top1 > state.best_top1
         if is_best:
@@ -314,6 +338,9 @@ class Trainer:
             "epoch_seconds": seconds,
             "images_per_second": images / max(seconds, 1e-9),
             "skipped_steps": skipped,
+            "ema_eval_loss": ema_result.loss if ema_result else None,
+            "ema_top1": ema_result.top1 if ema_result else None,
+            "ema_top5": ema_result.top5 if ema_result else None,
         })
         plot_training_curves(self.metrics.rows, str(Path(self.config.output_path) / "training_curves.png"))
         self.logger.info("epoch %d done in %.1f s (train loss %s%s); saved %s%s", state.epoch_num, seconds,
@@ -327,7 +354,7 @@ class Trainer:
         if save:
             # Each rank's moving statistics hold its own batches; their moving averages are linear in the
             # starting value, so resuming every rank from the average ends where the uninterrupted run does.
-            average_batchnorm_statistics(self.net, self.env.group_size)
+            self._average_batchnorm_statistics()
             if self.env.is_main_rank:
                 self.checkpoints.save_interrupted(self.step.train_step, self.state)
         if self.env.distributed:

@@ -4,11 +4,12 @@ import logging
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import List, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import mindspore as ms
 from mindspore import nn
 
+from src.ema import WeightsEma
 from src.errors import UserError
 from src.train_step import LOSS_SCALE_STATE
 from src.weights.files import link_or_copy_atomic, read_checkpoint, save_checkpoint_atomic
@@ -30,8 +31,9 @@ class TrainingState:
 
 
 def restore_training_state(path: str, net: nn.Cell, train_step: nn.Cell, config, steps_per_epoch: int,
-                           logger: logging.Logger) -> TrainingState:
-    """Loads weights, optimizer state, the loss-scale state and the global step from a train.py checkpoint."""
+                           logger: logging.Logger, ema: Optional[WeightsEma] = None) -> TrainingState:
+    """Loads weights, optimizer state, the loss-scale state, the EMA (when ema is given) and the global step from a
+    train.py checkpoint."""
     entries = read_checkpoint(path)
     if not all(key in entries for key in STATE_KEYS):
         raise UserError(f"checkpoint {path} has no training state (epoch, step, optimizer): --resume takes a "
@@ -51,6 +53,9 @@ def restore_training_state(path: str, net: nn.Cell, train_step: nn.Cell, config,
     if fresh:  # e.g. a float32 run resumed with loss scaling: the scale starts at the configured value
         logger.info("checkpoint %s has no loss-scale state: starting it from --loss_scale %g", path, config.loss_scale)
     ms.load_param_into_net(train_step, {name: entries[name] for name in wanted if name in entries}, strict_load=True)
+    if ema is not None and not ema.load(entries):
+        ema.restart_from_sources()
+        logger.info("checkpoint %s has no EMA weights: the EMA starts from its weights", path)
     optional = {key: entries[key].asnumpy() if key in entries else 0 for key in OPTIONAL_STATE_KEYS}
     return TrainingState(epoch_num=int(entries["epoch_num"].asnumpy()),
                          step_in_epoch=int(entries["step_in_epoch"].asnumpy()),
@@ -67,8 +72,10 @@ class CheckpointWriter:
 
     ROTATED = re.compile(r"-epoch(\d{3,})(?:-step(\d{5,}))?\.ckpt$")
 
-    def __init__(self, output_path: str, config, steps_per_epoch: int) -> None:
+    def __init__(self, output_path: str, config, steps_per_epoch: int,
+                 extra_parameters: Sequence[ms.Parameter] = ()) -> None:
         self.folder = Path(output_path)
+        self.extra_parameters = list(extra_parameters)  # saved beside train_step's (the EMA's averages)
         self.model_name = config.model_name
         self.keep = config.keep_checkpoint_max
         self.fixed = {"model_name": config.model_name, "class_num": config.class_num,
@@ -81,7 +88,9 @@ class CheckpointWriter:
         extra = dict(self.fixed, epoch_num=state.epoch_num, step_in_epoch=state.step_in_epoch,
                      best_top1=float(state.best_top1), epoch_loss_sum=float(state.epoch_loss_sum),
                      epoch_skipped_steps=state.epoch_skipped_steps)
-        return save_checkpoint_atomic(train_step, str(path), append_dict=extra)
+        source = [{"name": param.name, "data": param}
+                  for param in [*train_step.get_parameters(), *self.extra_parameters]]
+        return save_checkpoint_atomic(source, str(path), append_dict=extra)
 
     def rotated_files(self) -> List[Path]:
         """This model's epoch and step checkpoints in output_path, oldest first."""

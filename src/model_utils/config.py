@@ -50,6 +50,7 @@ VALUE_RULES: Dict[str, Tuple[Callable[[Any], bool], str]] = {
     "weight_decay": (lambda v: v >= 0, "0 or more"),
     "label_smoothing": (lambda v: 0 <= v < 1, "in [0, 1)"),
     "grad_clip_norm": (lambda v: v >= 0, "0 (off) or greater"),
+    "ema_decay": (lambda v: 0 <= v < 1, "in [0, 1) (0: no EMA)"),
     "loss_scale": (lambda v: v >= 1, "at least 1"),
     "sink_size": (lambda v: v == -1 or v >= 1, "-1 (the whole epoch) or at least 1"),
     "save_checkpoint_steps": (lambda v: v >= 0, "0 (epoch ends only) or a positive count"),

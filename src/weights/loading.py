@@ -10,6 +10,7 @@ import mindspore as ms
 from mindspore import nn
 
 from src.architectures import has_basic_blocks
+from src.ema import ema_entries_as_weights, has_ema
 from src.errors import UserError
 from src.resnet import BN_EPS
 from src.weights.files import check_file_given, is_torch_file, load_torch_state_dict, read_checkpoint, verify_sha256
@@ -87,7 +88,7 @@ def _head_to_reinitialise(renamed: Dict[str, Any], params: Dict[str, ms.Paramete
 
 
 def load_weights_report(net: nn.Cell, path: str, model_name: str, logger: Optional[logging.Logger] = None,
-                        sha256: str = "", allow_new_head: bool = False) -> LoadReport:
+                        sha256: str = "", allow_new_head: bool = False, use_ema: bool = False) -> LoadReport:
     """Loads the network weights of a checkpoint in any accepted format into net and says what it did.
 
     Formats: this project's .ckpt, a PyTorch/torchvision .pth (converted in memory), a MindSpore models-zoo
@@ -95,9 +96,16 @@ def load_weights_report(net: nn.Cell, path: str, model_name: str, logger: Option
     counters) is set aside. The file must hold model_name and every parameter of net, with net's shapes, else
     UserError and net is untouched. allow_new_head: when the file's fc does not fit net (another class count),
     fc keeps its fresh initialisation instead (fine-tuning). sha256 pins the file (a digest or a prefix).
+    use_ema: load a train.py checkpoint's EMA weights (ema.*, src/ema.py) instead of its raw ones when it has them.
     """
     logger = logger or logging.getLogger(DEFAULT_LOGGER)
     entries, fmt = read_weight_file(path, sha256)
+    if use_ema and fmt is None and has_ema(entries):
+        with_ema = ema_entries_as_weights(entries)
+        if with_ema is not entries:
+            logger.info("weights: %s holds an EMA of its weights: using it (--use_ema false for the raw weights)",
+                        path)
+            entries = with_ema
     params = {param.name: param for param in net.get_parameters()}
     match = match_names(entries, params, fmt)
     state = set(match.training_state)
