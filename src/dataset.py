@@ -1,12 +1,12 @@
 """CIFAR-10 (binary version) pipelines with mindspore.dataset, and checks of the folder layout.
 
 Training follows the reference recipe: RandomCrop 32 pad 4, RandomHorizontalFlip, Resize, Rescale,
-Normalize, HWC2CHW. Evaluation has no random op, so it gives the same images in the same order every
+Normalize, HWC2CHW, plus the optional augmentation of src.augmentation (all off by default). Evaluation has no random op, so it gives the same images in the same order every
 run (the reference flips test images at random: a bug not copied here).
 """
 import os
 from pathlib import Path
-from typing import List, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 import mindspore as ms
@@ -14,6 +14,7 @@ import mindspore.dataset as ds
 from mindspore.dataset import vision
 from mindspore.dataset.transforms import TypeCast
 
+from src.augmentation import Augmentation, BatchAugmenter
 from src.errors import UserError
 
 TRAIN_FILES = tuple(f"data_batch_{index}.bin" for index in range(1, 6))
@@ -94,17 +95,21 @@ def eval_transforms(target_hw: Tuple[int, int], source_hw: Tuple[int, int] = (32
 
 
 def augmentation_seed(seed: int, epoch: int) -> int:
-    """Seed of the random crops and flips in one epoch: a resumed run repeats them exactly."""
+    """Seed of the random crops, flips and auto_augment policy ops in one epoch: a resumed run repeats them
+    exactly."""
     return int(np.random.default_rng([seed, epoch, 1]).integers(0, 2**31 - 1))
 
 
 def create_dataset(data_path: str, do_train: bool, batch_size: int = 32, image_size: Tuple[int, int] = (224, 224),
                    rank_size: int = 1, rank_id: int = 0, num_samples: int = 0, num_parallel_workers: int = 8,
-                   seed: int = 1, epoch: int = 0, skip_batches: int = 0) -> ds.Dataset:
+                   seed: int = 1, epoch: int = 0, skip_batches: int = 0,
+                   augment: Optional[Augmentation] = None) -> ds.Dataset:
     """A batched CIFAR-10 pipeline of (image float32 NCHW, label int32) for one epoch.
 
     data_path: the folder with data_batch_*.bin (training) or test_batch.bin (evaluation).
     skip_batches: batches to drop from the start, for resuming mid-epoch with the same augmentation.
+    augment: training augmentation beyond the reference recipe (None: none); evaluation ignores it. With MixUp or
+    CutMix the labels are soft: float32 (batch, class_num).
     Raises UserError when the folder does not hold the expected files.
     """
     files = cifar_files(data_path, training=do_train)
@@ -118,16 +123,25 @@ def create_dataset(data_path: str, do_train: bool, batch_size: int = 32, image_s
         ds.config.set_seed(augmentation_seed(seed, epoch))
     dataset = ds.Cifar10Dataset(str(data_path), usage="train" if do_train else "test",
                                 sampler=ds.SubsetSampler(indices.tolist()), num_parallel_workers=workers)
+    augment = augment if do_train and augment is not None else Augmentation()
     transforms = []
     if do_train:
         transforms += [vision.RandomCrop((32, 32), (4, 4, 4, 4)), vision.RandomHorizontalFlip(prob=0.5)]
+        transforms += augment.policy_ops()  # on the 32x32 uint8 image, as torchvision's CIFAR recipes
     transforms += eval_transforms(image_size)  # resizing 32x32 to 32x32 is skipped: it is the identity
     dataset = dataset.map(operations=TypeCast(ms.int32), input_columns="label")
     dataset = dataset.map(operations=transforms, input_columns="image", num_parallel_workers=workers)
-    dataset = dataset.batch(batch_size, drop_remainder=do_train)
+    if augment.per_batch:
+        # Random erasing, MixUp and CutMix on the normalized CHW batch, keyed by the batch's index.
+        dataset = dataset.batch(batch_size, drop_remainder=True, num_parallel_workers=workers,
+                                per_batch_map=BatchAugmenter(augment, seed, epoch, rank_id),
+                                input_columns=["image", "label"])
+    else:
+        dataset = dataset.batch(batch_size, drop_remainder=do_train)
     if skip_batches:
         # Skipped after map and batch so the random ops still draw for them: the rest of the epoch then
-        # sees the same crops and flips as an uninterrupted run.
+        # sees the same crops, flips and policy ops as an uninterrupted run (the batch-level draws depend
+        # on the batch's index alone).
         dataset = dataset.skip(skip_batches)
     return dataset
 
