@@ -23,6 +23,8 @@ def test_defaults_are_the_reference_recipe():
     assert (config.amp_level, config.loss_scale, config.loss_scale_type) == ("auto", 1024.0, "fixed")
     assert (config.context_mode, config.seed, config.lr_schedule) == ("graph", 1, "constant")
     assert config.device_target == "Auto"
+    # Augmentation beyond the reference crop and flip is off.
+    assert (config.auto_augment, config.random_erasing, config.mixup_alpha, config.cutmix_alpha) == ("none", 0, 0, 0)
     for key in REQUIRED_KEYS:
         assert hasattr(config, key), key
 
@@ -54,6 +56,15 @@ def test_bools_take_true_false_in_any_case(text, expected):
     (["--lr_schedule", "linear"], ["lr_schedule", "constant, cosine, step, poly"]),
     (["--warmup_epochs", "5", "--epoch_size", "2"], ["warmup_epochs", "epoch_size"]),
     (["--lr"], ["--lr needs a value"]),
+    (["--auto_augment", "RandAugment"], ["auto_augment", "none, autoaugment, randaugment, trivialaugment",
+                                         "did you mean randaugment"]),
+    (["--auto_augment", "autoaug"], ["auto_augment", "'autoaug'"]),
+    (["--randaugment_magnitude", "31"], ["randaugment_magnitude", "from 0 to 30", "31"]),
+    (["--randaugment_num_ops", "0"], ["randaugment_num_ops", "at least 1"]),
+    (["--random_erasing", "1.5"], ["random_erasing", "a probability in [0, 1]"]),
+    (["--mixup_alpha", "-0.2"], ["mixup_alpha", "0 (off) or more"]),
+    (["--cutmix_alpha", "on"], ["cutmix_alpha", "a number", "'on'"]),
+    (["--mixup_switch_prob", "2"], ["mixup_switch_prob", "a probability in [0, 1]"]),
     (["stray"], ["unexpected command-line argument 'stray'"]),
 ])
 def test_bad_values_are_refused_naming_the_key(argv, fragments):

@@ -12,6 +12,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import yaml
 
 from src.architectures import MODEL_NAMES
+from src.augmentation import AUTO_AUGMENT, RANDAUGMENT_BINS
 from src.errors import UserError
 
 DEFAULT_CONFIG_PATH = Path(__file__).resolve().parents[2] / "default_config.yaml"
@@ -25,6 +26,7 @@ CHOICES: Dict[str, Tuple[str, ...]] = {
     "lr_schedule": ("constant", "cosine", "step", "poly", "onecycle"),
     "amp_level": ("auto", "O0", "O1", "O2", "O3"),
     "loss_scale_type": ("fixed", "dynamic"),
+    "auto_augment": AUTO_AUGMENT,
     "file_format": ("MINDIR", "ONNX", "AIR"),
 }
 
@@ -57,6 +59,12 @@ VALUE_RULES: Dict[str, Tuple[Callable[[Any], bool], str]] = {
     "eval_interval": (lambda v: v >= 1, "at least 1"),
     "keep_checkpoint_max": (lambda v: v >= 1, "at least 1"),
     "log_interval": (lambda v: v >= 1, "at least 1"),
+    "randaugment_num_ops": (lambda v: v >= 1, "at least 1"),
+    "randaugment_magnitude": (lambda v: 0 <= v < RANDAUGMENT_BINS, f"from 0 to {RANDAUGMENT_BINS - 1}"),
+    "random_erasing": (lambda v: 0 <= v <= 1, "a probability in [0, 1]"),
+    "mixup_alpha": (lambda v: v >= 0, "0 (off) or more"),
+    "cutmix_alpha": (lambda v: v >= 0, "0 (off) or more"),
+    "mixup_switch_prob": (lambda v: 0 <= v <= 1, "a probability in [0, 1]"),
     "top_k": (lambda v: v >= 1, "at least 1"),
 }
 
