@@ -13,6 +13,7 @@ import numpy as np
 import mindspore as ms
 from mindspore import nn
 
+from src.augmentation import Augmentation
 from src.collectives import all_reduce_sum, barrier
 from src.data_source import DataSource, prepare_data
 from src.dataset import create_dataset
@@ -117,6 +118,8 @@ class Trainer:
         self.data: DataSource = prepare_data(config, logger, training=True)
         logger.info("data: %s", self.data.describe())
         self.image_size = (config.image_height, config.image_width)
+        self.augment = Augmentation.from_config(config)
+        logger.info("augmentation: %s", self.augment.describe())
         self.steps_per_epoch = self.train_dataset(epoch=0).get_dataset_size()
         self.profiler = StepProfiler.from_config(config, env, logger, self.steps_per_epoch)  # checks it early
         self.eval_dataset = create_dataset(self.data.eval_path, False, config.batch_size, self.image_size,
@@ -157,7 +160,7 @@ class Trainer:
         config = self.config
         return create_dataset(self.data.train_path, True, config.batch_size, self.image_size, self.env.group_size,
                               self.env.rank_id, config.train_num_samples, config.num_parallel_workers,
-                              config.seed, epoch, skip_batches)
+                              config.seed, epoch, skip_batches, self.augment)
 
     def run(self) -> TrainingState:
         config, state = self.config, self.state

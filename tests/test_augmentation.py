@@ -1,8 +1,13 @@
 """Training augmentation (src/augmentation.py): the batch-level ops' arithmetic, reproducibility of every part from
-(seed, epoch) and across a mid-epoch skip in real MindSpore pipelines, and soft labels in the loss."""
+(seed, epoch) and across a mid-epoch skip in real MindSpore pipelines, soft labels in the loss, and a SIGTERM'd
+train.py run with everything on that resumes to the uninterrupted run's weights."""
+import re
+import signal
+
 import numpy as np
 import pytest
 
+from conftest import FAST_ARGS, run_script, start_training, wait_for_line
 from src.augmentation import ERASE_SCALE, Augmentation, BatchAugmenter, cutmix_box, erase_box
 from src.dataset import create_dataset
 
@@ -189,3 +194,39 @@ def test_cross_entropy_takes_soft_labels_with_label_smoothing_folded_in():
         assert float(loss(Tensor(logits), Tensor(soft)).asnumpy()) == pytest.approx(expected, rel=1e-5)
         assert float(loss(Tensor(logits), Tensor(onehot)).asnumpy()) == pytest.approx(
             float(loss(Tensor(logits), Tensor(labels)).asnumpy()), rel=1e-6)
+
+
+# ---------------------------------------------------------------- train.py: SIGTERM mid-epoch, then --resume
+
+RECIPE = ["--model_name", "resnet18", "--batch_size", "8", "--train_num_samples", "96", "--eval_num_samples", "16",
+          "--epoch_size", "2", "--optimizer", "momentum", "--lr", "0.01", "--label_smoothing", "0.1",
+          "--auto_augment", "randaugment", "--random_erasing", "0.5", "--mixup_alpha", "0.2", "--cutmix_alpha", "1.0",
+          *FAST_ARGS]
+
+
+def final_digest(log: str) -> str:
+    found = re.findall(r"final weights sha256 ([0-9a-f]{64})", log)
+    assert len(found) == 1, log[-3000:]
+    return found[0]
+
+
+@pytest.mark.slow
+def test_sigterm_mid_epoch_then_resume_ends_with_the_uninterrupted_weights(cifar_dir, tmp_path):
+    args = ["--data_path", str(cifar_dir), *RECIPE]
+    straight = run_script("train.py", args + ["--output_path", str(tmp_path / "straight")])
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    assert ("augmentation: RandAugment (2 ops, magnitude 9), random erasing p=0.5, MixUp alpha 0.2 or CutMix "
+            "alpha 1 per batch (CutMix with probability 0.5)") in straight.stdout
+
+    out = tmp_path / "interrupted"
+    log_path = tmp_path / "interrupted.log"
+    process = start_training(args + ["--output_path", str(out)], log_path)
+    wait_for_line(log_path, "epoch 1/2 step 5/12", process)
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=120) == 128 + signal.SIGTERM
+    stopped = re.search(r"stopped by SIGTERM.* at epoch 1 step (\d+)", log_path.read_text())
+    assert stopped and 5 <= int(stopped.group(1)) < 12, log_path.read_text()[-3000:]
+    resumed = run_script("train.py", args + ["--output_path", str(out), "--resume",
+                                             str(out / "resnet18-interrupted.ckpt")])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert final_digest(resumed.stdout) == final_digest(straight.stdout)
