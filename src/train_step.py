@@ -1,9 +1,14 @@
 """The training step: mixed precision (amp_level), loss scaling (fixed or dynamic, with overflow checks on
 every device, CPU included) and the loss totals the host reads once per window of steps (device-side for
 sinks)."""
+import atexit
+import contextlib
 import logging
+import os
+import shutil
+import tempfile
 from dataclasses import dataclass
-from typing import Optional, Tuple, Union
+from typing import Iterator, List, Optional, Tuple, Union
 
 import numpy as np
 import mindspore as ms
@@ -196,6 +201,28 @@ class StepWithHostTotals:
         return float(self.train_step.scale_sense.asnumpy()) if self.loss_scaled else None
 
 
+_REWRITE_HOME: List[str] = []  # the process's private folder for MindSpore's rewritten networks, made once
+
+
+@contextlib.contextmanager
+def _rewrite_folder() -> Iterator[None]:
+    """Runs the block in a private temporary folder, removed when the process exits.
+
+    MindSpore's O1 mixed precision rewrites the network into Python source that it writes to
+    ./rewritten_network/ in the current folder and imports from there (graph compilation reads it again later),
+    which would leave files in the user's folder. Nothing else reads a relative path while the step is built.
+    """
+    if not _REWRITE_HOME:
+        _REWRITE_HOME.append(tempfile.mkdtemp(prefix="resnet-amp-rewrite-"))
+        atexit.register(shutil.rmtree, _REWRITE_HOME[0], True)
+    previous = os.getcwd()
+    os.chdir(_REWRITE_HOME[0])
+    try:
+        yield
+    finally:
+        os.chdir(previous)
+
+
 def build_train_step(net: nn.Cell, optimizer: nn.Optimizer, config, amp: AmpSetting, sink: bool = False,
                      ema: Optional[WeightsEma] = None) -> Union[StepWithTotals, StepWithHostTotals]:
     """net's training step with config's loss (cross-entropy, label smoothing) at amp's precision, keeping the
@@ -207,8 +234,9 @@ def build_train_step(net: nn.Cell, optimizer: nn.Optimizer, config, amp: AmpSett
     (the update skipped on overflow; the trainer then stops) or DynamicLossScaleManager's update cell.
     """
     loss_fn = nn.CrossEntropyLoss(label_smoothing=config.label_smoothing)
-    # loss_scale_manager=None: the level's default manager (dynamic for O2) is refused on CPU.
-    train_step = ms.amp.build_train_network(net, optimizer, loss_fn, level=amp.level, loss_scale_manager=None)
+    with _rewrite_folder():
+        # loss_scale_manager=None: the level's default manager (dynamic for O2) is refused on CPU.
+        train_step = ms.amp.build_train_network(net, optimizer, loss_fn, level=amp.level, loss_scale_manager=None)
     if amp.loss_scale is None and config.grad_clip_norm > 0:
         train_step = ClippedTrainStep(train_step.network, optimizer, config.grad_clip_norm)
     if amp.loss_scale is not None:
