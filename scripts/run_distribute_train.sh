@@ -85,7 +85,7 @@ trap 'stop_workers 15' TERM
 
 echo "msrun: $DEVICE_NUM worker(s) on node $NODE_RANK of $NODE_NUM with $PYTHON_BIN"
 echo "per-rank logs: $LOG_DIR/worker_*.log; checkpoints, metrics.csv and train.log (rank 0): $OUTPUT_PATH"
-setsid "$PYTHON_BIN" -m mindspore.parallel.cluster.run "${MSRUN_ARGS[@]}" "$REPO_DIR/train.py" "${ARGS[@]}" &
+setsid "$PYTHON_BIN" "$REPO_DIR/scripts/msrun_node.py" "${MSRUN_ARGS[@]}" "$REPO_DIR/train.py" "${ARGS[@]}" &
 MSRUN_PID=$!
 wait "$MSRUN_PID"
 code=$?

@@ -5,6 +5,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -101,6 +102,12 @@ def test_bad_arguments_are_refused_before_anything_starts(cifar_dir, tmp_path, s
     process = launch(script, args + ["--output_path", str(tmp_path / "out")], env=launcher_env(**env))
     one_error_line(process, *fragments)
     assert not (tmp_path / "out").exists()
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 @pytest.mark.parametrize("script", ["run_distribute_train.sh", "run_eval.sh"])
@@ -307,3 +314,51 @@ def test_sigterm_saves_and_a_resumed_distributed_run_ends_with_the_same_weights(
             assert np.max(np.abs(a - b)) <= 1e-5 * max(1.0, np.max(np.abs(a))), name
         else:
             assert np.array_equal(a, b), name
+
+
+# ---------------------------------------------------------------- two nodes on one machine
+
+def start_node(rank: int, port: int, out: Path, args) -> subprocess.Popen:
+    """One node's launcher (DEVICE_NUM=1) of a NODE_NUM=2 job whose master is this machine; each node has its
+    own output_path, as separate machines have their own disks."""
+    log = open(out.parent / f"launcher{rank}.log", "w")
+    env = launcher_env(NODE_NUM="2", NODE_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    return subprocess.Popen(["bash", str(SCRIPTS / "run_distribute_train.sh"), "1", *map(str, args),
+                             "--output_path", str(out)], env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)  # its own process group, as a shell's job has
+
+
+def kill_all(marker: str) -> None:
+    for pid in job_processes(marker):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+@pytest.mark.slow
+def test_two_nodes_on_one_machine_form_one_job_and_only_rank_0_writes(cifar_dir, tmp_path, memory_turn):
+    port, nodes = free_port(), []
+    try:
+        for rank in (0, 1):
+            nodes.append(start_node(rank, port, tmp_path / f"node{rank}",
+                                    [cifar_dir, "--epoch_size", "1", "--train_num_samples", "64", *SMALL]))
+        codes = [node.wait(timeout=300) for node in nodes]
+        time.sleep(1)
+        left = job_processes(str(tmp_path))
+    finally:
+        kill_all(str(tmp_path))  # only after a failure is there anything to stop here
+    launcher_logs = [(tmp_path / f"launcher{rank}.log").read_text() for rank in (0, 1)]
+    assert codes == [0, 0], [log[-3000:] for log in launcher_logs]
+    assert "msrun: 1 worker(s) on node 1 of 2" in launcher_logs[1]
+    worker0 = tmp_path / "node0" / "msrun_log" / "worker_0.log"
+    worker1 = tmp_path / "node1" / "msrun_log" / "worker_1.log"
+    assert "data-parallel training: rank 0 of 2" in worker0.read_text()
+    assert "rank 1 of 2" in worker1.read_text()
+    assert len(digests(worker0)) == 1 and digests(worker0) == digests(worker1)
+    # Node 0 holds the scheduler and rank 0's files; node 1 wrote its worker's log and nothing else.
+    assert (tmp_path / "node0" / "msrun_log" / "scheduler.log").is_file()
+    assert (tmp_path / "node0" / "resnet18-last.ckpt").is_file() and (tmp_path / "node0" / "metrics.csv").is_file()
+    assert [str(p.relative_to(tmp_path / "node1")) for p in sorted((tmp_path / "node1").rglob("*"))
+            if p.is_file()] == ["msrun_log/worker_1.log"]
+    assert left == [], "orphan processes left"
