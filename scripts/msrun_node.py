@@ -1,14 +1,23 @@
 """msrun (python -m mindspore.parallel.cluster.run) for one node of a job, as run_distribute_train.sh uses it.
 
-    python scripts/msrun_node.py MSRUN_ARGUMENTS...      msrun with the change below
+    python scripts/msrun_node.py MSRUN_ARGUMENTS...      msrun with the changes below
 
-One change to msrun 2.10's own behaviour:
+Three changes to msrun 2.10's own behaviour:
 - The job's scheduler starts on the node with --node_rank 0 alone. msrun starts one on every node that finds
   --master_addr among its own addresses: on separate machines that is the master node only, but two nodes that
   share a host (two launchers on one machine, containers on the host network) would both start one, and the
   second fails on the taken port, failing its node's run after training ended well.
+- When the launcher dies (kill -9), this node's workers and scheduler are stopped: the node is lost, and the
+  other nodes end as they do for a lost node. Without this they would train on unseen, as orphans.
+- When this node's scheduler fails (it ends the job when a node stops sending heartbeats), this node's workers
+  are stopped at once. msrun looks at the scheduler only after its workers end, and a worker can spend another
+  20 s retrying the vanished scheduler (MS_HEARTBEAT_RETRY_TIMEOUT) before it gives up.
 """
+import os
+import signal
 import sys
+import threading
+import time
 
 
 def run_msrun() -> None:
@@ -25,9 +34,45 @@ def run_msrun() -> None:
             super().__init__(args)
             if args.node_rank >= 0:
                 self.is_master = args.node_rank == 0
+            threading.Thread(target=self._stop_all_if_the_launcher_dies, args=(os.getppid(),), daemon=True).start()
+
+        def _kill_workers(self):
+            for worker in list(self.cgn_processes):  # each in its own process group, as msrun kills them
+                try:
+                    os.killpg(worker.pid, signal.SIGKILL)
+                except ProcessLookupError:  # ended meanwhile
+                    pass
+
+        def _stop_all_if_the_launcher_dies(self, launcher_pid):
+            """A launcher killed with SIGKILL (it cannot pass that on) would leave this node's processes training
+            on unseen: that is the node lost, so they go too, and the other nodes fail the job as for a lost node."""
+            while os.getppid() == launcher_pid:
+                time.sleep(0.5)
+            self._kill_workers()
+            for process in [getattr(self, "msn_process", None), *getattr(self, "tail_cgn_processes", [])]:
+                if process is not None and process.poll() is None:
+                    process.kill()
+            os._exit(1)  # pylint: disable=protected-access
+
+        def join_processes(self):
+            if getattr(self, "msn_process", None) is not None:
+                threading.Thread(target=self._stop_workers_if_scheduler_fails, daemon=True).start()
+            super().join_processes()
+
+        def _stop_workers_if_scheduler_fails(self):
+            while self.msn_process.poll() is None:
+                time.sleep(0.5)
+            if self.msn_process.returncode != 0:
+                print(f"msrun_node: the scheduler failed (exit code {self.msn_process.returncode}); stopping this "
+                      f"node's workers", file=sys.stderr, flush=True)
+                self._kill_workers()  # msrun's join loop then sees them end and reports the job as failed
 
     run._ProcessManager = NodeManager  # pylint: disable=protected-access
-    run.main()
+    try:
+        run.main()
+    except RuntimeError as exc:  # msrun's "Distributed job exited with exception ...": its traceback adds nothing
+        print(f"msrun: {exc}", file=sys.stderr, flush=True)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

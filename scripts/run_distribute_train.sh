@@ -39,6 +39,15 @@ require_positive_int "NODE_NUM" "$NODE_NUM"
 [[ "$NODE_RANK" =~ ^[0-9]+$ && "$NODE_RANK" -lt "$NODE_NUM" ]] || die "NODE_RANK must be 0..$((NODE_NUM - 1)), got '$NODE_RANK'"
 [[ "$NODE_NUM" -eq 1 || -n "${MASTER_ADDR:-}" ]] || die "NODE_NUM=$NODE_NUM needs MASTER_ADDR (the address of node 0)"
 [[ "$NODE_NUM" -eq 1 || -n "${MASTER_PORT:-}" ]] || die "NODE_NUM=$NODE_NUM needs MASTER_PORT (the same on every node)"
+# How long MindSpore waits before it fails the job (seconds; see docs/launch.md). msrun overwrites MS_TOPO_TIMEOUT
+# with its --cluster_time_out, so that option carries it. The other two are MindSpore 2.10's defaults, set here so
+# that the time a lost node takes to end the job (tested: under 60 s) does not move with MindSpore's defaults.
+MS_TOPO_TIMEOUT="${MS_TOPO_TIMEOUT:-600}"           # all nodes must have joined within this
+export MS_NODE_TIMEOUT="${MS_NODE_TIMEOUT:-30}"     # the scheduler fails the job when a node is silent this long
+export MS_CPU_COMM_OP_TIMEOUT="${MS_CPU_COMM_OP_TIMEOUT:-30}"  # a CPU collective waits this long for the others
+for knob in MS_TOPO_TIMEOUT MS_NODE_TIMEOUT MS_CPU_COMM_OP_TIMEOUT; do
+    require_positive_int "$knob" "${!knob}"
+done
 if [[ -n "${RANK_TABLE_FILE:-}" ]]; then require_file "RANK_TABLE_FILE" "$RANK_TABLE_FILE"; fi
 PYTHON_BIN="$(find_python)" || exit 2
 ARGS=()
@@ -57,7 +66,7 @@ mkdir -p "$LOG_DIR" || die "cannot create $LOG_DIR"
 
 MSRUN_ARGS=(--worker_num="$((DEVICE_NUM * NODE_NUM))" --local_worker_num="$DEVICE_NUM"
             --master_addr="${MASTER_ADDR:-127.0.0.1}" --master_port="${MASTER_PORT:-$(free_port)}"
-            --node_rank="$NODE_RANK" --log_dir="$LOG_DIR" --join=True)
+            --node_rank="$NODE_RANK" --log_dir="$LOG_DIR" --join=True --cluster_time_out="$MS_TOPO_TIMEOUT")
 if [[ -n "${RANK_TABLE_FILE:-}" ]]; then MSRUN_ARGS+=(--rank_table_file="$RANK_TABLE_FILE"); fi
 put_python_first_on_path
 trap 'rm -rf "$SHIM_DIR"' EXIT

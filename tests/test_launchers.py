@@ -362,3 +362,52 @@ def test_two_nodes_on_one_machine_form_one_job_and_only_rank_0_writes(cifar_dir,
     assert [str(p.relative_to(tmp_path / "node1")) for p in sorted((tmp_path / "node1").rglob("*"))
             if p.is_file()] == ["msrun_log/worker_1.log"]
     assert left == [], "orphan processes left"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("lost", ["node 1's launcher", "all of node 0"])
+def test_a_lost_node_ends_the_other_nodes_launcher_nonzero_within_60_s_without_orphans(cifar_dir, tmp_path,
+                                                                                        memory_turn, lost):
+    """Node 0 runs the scheduler: losing it is a whole machine gone (launcher, msrun, scheduler, worker, all
+    SIGKILLed at once). Node 1 is lost by SIGKILL to its launcher's process group: its msrun and worker, in
+    sessions of their own, must not train on as orphans, and node 0 must notice that rank 1 went silent."""
+    dead = 1 if lost == "node 1's launcher" else 0
+    port, nodes = free_port(), []
+    try:
+        for rank in (0, 1):
+            nodes.append(start_node(rank, port, tmp_path / f"node{rank}",
+                                    [cifar_dir, "--epoch_size", "1", "--train_num_samples", "2000", *SMALL]))
+        wait_for_text(tmp_path / f"node{dead}" / "msrun_log" / f"worker_{dead}.log", "step 3/", nodes[dead])
+        assert nodes[1 - dead].poll() is None
+        if dead == 1:
+            os.killpg(nodes[1].pid, signal.SIGKILL)
+        else:
+            kill_all(str(tmp_path / "node0"))
+        killed_at = time.time()
+        code = nodes[1 - dead].wait(timeout=120)
+        seconds = time.time() - killed_at
+        nodes[dead].wait(timeout=60)
+        time.sleep(1)
+        left = job_processes(str(tmp_path))
+    finally:
+        kill_all(str(tmp_path))  # only after a failure is there anything to stop here
+    survivor_log = (tmp_path / f"launcher{1 - dead}.log").read_text()
+    assert code != 0, survivor_log[-3000:]
+    assert seconds <= 60, (seconds, survivor_log[-3000:])
+    assert nodes[dead].returncode != 0
+    assert left == [], "orphan processes left"
+
+
+@pytest.mark.slow
+def test_a_node_that_never_joins_ends_the_job_after_ms_topo_timeout(cifar_dir, tmp_path, memory_turn):
+    """Node 1 never starts: node 0 gives up after MS_TOPO_TIMEOUT (passed to msrun as --cluster_time_out, since
+    msrun overwrites the variable) instead of msrun's 600 s, and leaves nothing running."""
+    out = tmp_path / "node0"
+    started = time.time()
+    process = launch("run_distribute_train.sh", [1, cifar_dir, "--output_path", out, *SMALL], timeout=120,
+                     env=launcher_env(NODE_NUM="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
+                                      MS_TOPO_TIMEOUT="5"))
+    assert process.returncode != 0
+    assert time.time() - started < 60, time.time() - started
+    assert "Building networking for MS_SCHED failed" in (out / "msrun_log" / "scheduler.log").read_text()
+    assert job_processes(str(out)) == [], "orphan processes left"
