@@ -1,6 +1,8 @@
 """msrun (python -m mindspore.parallel.cluster.run) for one node of a job, as run_distribute_train.sh uses it.
 
     python scripts/msrun_node.py MSRUN_ARGUMENTS...      msrun with the changes below
+    python scripts/msrun_node.py --check-master ADDR PORT NODE_RANK
+                                                          exit 2 with one 'error:' line if ADDR/PORT cannot work
 
 Three changes to msrun 2.10's own behaviour:
 - The job's scheduler starts on the node with --node_rank 0 alone. msrun starts one on every node that finds
@@ -15,13 +17,41 @@ Three changes to msrun 2.10's own behaviour:
 """
 import os
 import signal
+import socket
 import sys
 import threading
 import time
 
 
+def check_master(addr: str, port: str, node_rank: int) -> None:
+    """Exits 2 with one line if MASTER_ADDR does not resolve, or, on node 0 (which starts the scheduler there),
+    if it is not this machine's address or MASTER_PORT is taken. Other nodes cannot check more before the job:
+    the master may not be up yet."""
+    def refuse(message: str) -> None:
+        print(f"error: {message}", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+    if not port.isdigit() or not 1024 <= int(port) <= 65535:
+        refuse(f"MASTER_PORT must be a port number from 1024 to 65535, got '{port}'")
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(addr, int(port), type=socket.SOCK_STREAM)[0]
+    except (socket.gaierror, UnicodeError) as exc:
+        refuse(f"MASTER_ADDR '{addr}' does not resolve ({exc}); give the master node's IP address or host name")
+    if node_rank != 0:
+        return
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as a server does: TIME_WAIT is no conflict
+        try:
+            probe.bind(address)
+        except OSError as exc:
+            if exc.errno == 98:  # EADDRINUSE
+                refuse(f"MASTER_PORT {port} is in use on {addr} (another job's scheduler?); choose a free port")
+            refuse(f"MASTER_ADDR {addr} is not an address of this machine ({exc.strerror}): NODE_RANK=0 runs on "
+                   f"the node at MASTER_ADDR")
+
+
 def run_msrun() -> None:
-    from mindspore.parallel.cluster import run
+    from mindspore.parallel.cluster import run  # imported here: --check-master must not wait for MindSpore
 
     manager = getattr(run, "_ProcessManager", None)
     if manager is None:  # another msrun layout: msrun as it is (its address rule decides)
@@ -76,4 +106,9 @@ def run_msrun() -> None:
 
 
 if __name__ == "__main__":
-    run_msrun()
+    if sys.argv[1:2] == ["--check-master"]:
+        if len(sys.argv) != 5:
+            sys.exit("usage: msrun_node.py --check-master ADDR PORT NODE_RANK")
+        check_master(sys.argv[2], sys.argv[3], int(sys.argv[4]))
+    else:
+        run_msrun()

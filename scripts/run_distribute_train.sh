@@ -39,6 +39,9 @@ require_positive_int "NODE_NUM" "$NODE_NUM"
 [[ "$NODE_RANK" =~ ^[0-9]+$ && "$NODE_RANK" -lt "$NODE_NUM" ]] || die "NODE_RANK must be 0..$((NODE_NUM - 1)), got '$NODE_RANK'"
 [[ "$NODE_NUM" -eq 1 || -n "${MASTER_ADDR:-}" ]] || die "NODE_NUM=$NODE_NUM needs MASTER_ADDR (the address of node 0)"
 [[ "$NODE_NUM" -eq 1 || -n "${MASTER_PORT:-}" ]] || die "NODE_NUM=$NODE_NUM needs MASTER_PORT (the same on every node)"
+if [[ -n "${MASTER_PORT:-}" ]] && ! [[ "$MASTER_PORT" =~ ^[1-9][0-9]{3,4}$ && "$MASTER_PORT" -ge 1024 && "$MASTER_PORT" -le 65535 ]]; then
+    die "MASTER_PORT must be a port number from 1024 to 65535, got '$MASTER_PORT'"
+fi
 # How long MindSpore waits before it fails the job (seconds; see docs/launch.md). msrun overwrites MS_TOPO_TIMEOUT
 # with its --cluster_time_out, so that option carries it. The other two are MindSpore 2.10's defaults, set here so
 # that the time a lost node takes to end the job (tested: under 60 s) does not move with MindSpore's defaults.
@@ -50,6 +53,9 @@ for knob in MS_TOPO_TIMEOUT MS_NODE_TIMEOUT MS_CPU_COMM_OP_TIMEOUT; do
 done
 if [[ -n "${RANK_TABLE_FILE:-}" ]]; then require_file "RANK_TABLE_FILE" "$RANK_TABLE_FILE"; fi
 PYTHON_BIN="$(find_python)" || exit 2
+if [[ -n "${MASTER_PORT:-}" ]]; then  # MASTER_ADDR resolves; on node 0 it is this machine's and the port is free
+    "$PYTHON_BIN" "$REPO_DIR/scripts/msrun_node.py" --check-master "${MASTER_ADDR:-127.0.0.1}" "$MASTER_PORT" "$NODE_RANK" || exit 2
+fi
 ARGS=()
 if [[ -n "${POSITIONAL[1]:-}" ]]; then require_dir "DATA_PATH" "${POSITIONAL[1]}"; ARGS+=(--data_path "${POSITIONAL[1]}"); fi
 if [[ -n "${POSITIONAL[2]:-}" ]]; then require_file "CONFIG_PATH" "${POSITIONAL[2]}"; ARGS+=(--config_path "${POSITIONAL[2]}"); fi

@@ -85,6 +85,17 @@ def test_shellcheck_clean():
     ("run_distribute_train.sh", ["2"], {"NODE_NUM": "2"}, ["needs MASTER_ADDR"]),
     ("run_distribute_train.sh", ["2"], {"NODE_NUM": "2", "NODE_RANK": "2", "MASTER_ADDR": "10.0.0.1"},
      ["NODE_RANK must be 0..1"]),
+    ("run_distribute_train.sh", ["1"], {"NODE_NUM": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "80"},
+     ["MASTER_PORT must be a port number from 1024 to 65535, got '80'"]),
+    ("run_distribute_train.sh", ["1"], {"MS_NODE_TIMEOUT": "soon"}, ["MS_NODE_TIMEOUT must be a positive integer"]),
+    ("run_distribute_train.sh", ["1"], {"MS_TOPO_TIMEOUT": "0"}, ["MS_TOPO_TIMEOUT must be a positive integer"]),
+    pytest.param("run_distribute_train.sh", ["1", "{data}"],  # 192.0.2.1: a documentation address, nobody's
+                 {"NODE_NUM": "2", "MASTER_ADDR": "192.0.2.1", "MASTER_PORT": "29500"},
+                 ["MASTER_ADDR 192.0.2.1 is not an address of this machine", "NODE_RANK=0 runs on the node at"],
+                 marks=pytest.mark.slow),
+    pytest.param("run_distribute_train.sh", ["1", "{data}"],
+                 {"NODE_NUM": "2", "NODE_RANK": "1", "MASTER_ADDR": "no-such-host.invalid", "MASTER_PORT": "29500"},
+                 ["MASTER_ADDR 'no-such-host.invalid' does not resolve"], marks=pytest.mark.slow),
     ("run_distribute_train.sh", ["2"], {"RANK_TABLE_FILE": "/no/hccl.json"}, ["RANK_TABLE_FILE /no/hccl.json"]),
     pytest.param("run_distribute_train.sh", ["2", "--lr_shedule", "cosine"], {}, ["unknown config key 'lr_shedule'"],
                  marks=pytest.mark.slow),
@@ -108,6 +119,18 @@ def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
+
+
+@pytest.mark.slow  # starts Python with MindSpore before it refuses
+def test_a_master_port_in_use_is_refused_on_node_0(cifar_dir, tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        process = launch("run_distribute_train.sh", [1, cifar_dir, "--output_path", tmp_path / "out"],
+                         env=launcher_env(NODE_NUM="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)))
+    one_error_line(process, f"MASTER_PORT {port} is in use on 127.0.0.1")
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("script", ["run_distribute_train.sh", "run_eval.sh"])
