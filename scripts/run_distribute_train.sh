@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Data-parallel training with MindSpore's msrun: DEVICE_NUM workers on this node.
+# Data-parallel training with MindSpore's msrun: DEVICE_NUM workers on this node (of NODE_NUM nodes).
 set -uo pipefail
 # shellcheck source=scripts/common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
@@ -15,13 +15,18 @@ usage: bash scripts/run_distribute_train.sh DEVICE_NUM [DATA_PATH] [CONFIG_PATH]
 
 Environment (optional):
   NODE_NUM, NODE_RANK, MASTER_ADDR, MASTER_PORT  several nodes: run this on each node with the same
-               NODE_NUM, MASTER_ADDR and MASTER_PORT and its own NODE_RANK (0 on the master node)
+               NODE_NUM, MASTER_ADDR and MASTER_PORT and its own NODE_RANK; NODE_RANK 0 runs on the
+               machine at MASTER_ADDR and starts the job's scheduler on MASTER_PORT
+  MS_TOPO_TIMEOUT  seconds for all nodes to join (default 600)
+  MS_NODE_TIMEOUT  seconds of silence from a node before the job fails (default 30)
+  MS_CPU_COMM_OP_TIMEOUT  seconds a CPU collective waits for the other ranks (default 30)
   RANK_TABLE_FILE  Ascend: start the workers from an HCCL rank table (msrun --rank_table_file)
   PYTHON       the interpreter with MindSpore (default: python, then python3)
 
-Starts msrun --worker_num=DEVICE_NUM*NODE_NUM --local_worker_num=DEVICE_NUM on a free master port
-(single node), waits for the job and exits with its exit code. Per-rank logs go to
-OUTPUT_PATH/msrun_log/worker_N.log; rank 0 writes checkpoints, metrics.csv and train.log to OUTPUT_PATH.
+Starts msrun --worker_num=DEVICE_NUM*NODE_NUM --local_worker_num=DEVICE_NUM (on a free master port
+when single node), waits for the job and exits with its exit code. Per-rank logs go to
+OUTPUT_PATH/msrun_log/worker_N.log (N: the global rank); rank 0 writes checkpoints, metrics.csv and
+train.log to OUTPUT_PATH. If a node is lost, the others exit non-zero within about 35 s.
 Ctrl-C or SIGTERM: the workers save <model>-interrupted.ckpt and stop; the exit code is 128 + signal.
 USAGE
 }
