@@ -16,6 +16,7 @@ Three changes to msrun 2.10's own behaviour:
   20 s retrying the vanished scheduler (MS_HEARTBEAT_RETRY_TIMEOUT) before it gives up.
 """
 import os
+import shutil
 import signal
 import socket
 import sys
@@ -82,6 +83,8 @@ def run_msrun() -> None:
             for process in [getattr(self, "msn_process", None), *getattr(self, "tail_cgn_processes", [])]:
                 if process is not None and process.poll() is None:
                     process.kill()
+            if os.environ.get("RESNET_SHIM_DIR"):  # the launcher's `python` wrapper, which its EXIT trap would remove
+                shutil.rmtree(os.environ["RESNET_SHIM_DIR"], ignore_errors=True)
             os._exit(1)  # pylint: disable=protected-access
 
         def join_processes(self):

@@ -81,6 +81,7 @@ MSRUN_ARGS=(--worker_num="$((DEVICE_NUM * NODE_NUM))" --local_worker_num="$DEVIC
 if [[ -n "${RANK_TABLE_FILE:-}" ]]; then MSRUN_ARGS+=(--rank_table_file="$RANK_TABLE_FILE"); fi
 put_python_first_on_path
 trap 'rm -rf "$SHIM_DIR"' EXIT
+export RESNET_SHIM_DIR="$SHIM_DIR"  # scripts/msrun_node.py removes it if this launcher is killed (no EXIT trap then)
 
 # Ctrl-C/SIGTERM: msrun's own handler SIGKILLs the workers and exits 0, losing the interrupted checkpoint.
 # So msrun runs in its own session (a terminal's Ctrl-C reaches only this script), and this script asks
