@@ -3,6 +3,9 @@
 Cells carry torchvision's module names (conv1, bn1, layer1.0.conv2, layer2.0.downsample.0, fc), so a
 PyTorch state_dict maps onto this network by renaming the BatchNorm fields only
 (weight->gamma, bias->beta, running_mean->moving_mean, running_var->moving_variance).
+
+Two stems: torchvision's ("imagenet": 7x7 stride-2 conv1 and a max pool) and a CIFAR one ("cifar": 3x3 stride-1
+conv1, no max pool, as kuangliu/pytorch-cifar). They share parameter names; conv1.weight's shape tells them apart.
 """
 import math
 from typing import Callable, Dict, List, Optional, Type, Union
@@ -10,7 +13,7 @@ from typing import Callable, Dict, List, Optional, Type, Union
 from mindspore import nn, ops
 from mindspore.common import initializer as init
 
-from src.architectures import ARCHITECTURES as LAYOUTS, BASIC, BOTTLENECK
+from src.architectures import ARCHITECTURES as LAYOUTS, BASIC, BOTTLENECK, CIFAR, IMAGENET, STEMS
 
 # torch.nn.BatchNorm2d defaults: momentum 0.1 (MindSpore counts it the other way round), eps 1e-5.
 BN_MOMENTUM = 0.9
@@ -114,16 +117,27 @@ class ResNet(nn.Cell):
     """ResNet backbone plus a linear classifier over the globally averaged features."""
 
     def __init__(self, block: Block, layers: List[int], num_classes: int = 1000,
-                 zero_init_residual: bool = False, conv: ConvClass = nn.Conv2d) -> None:
+                 zero_init_residual: bool = False, conv: ConvClass = nn.Conv2d, stem: str = IMAGENET) -> None:
         super().__init__()
+        if stem not in STEMS:
+            raise ValueError(f"unknown stem {stem!r}; choose one of {', '.join(STEMS)}")
+        self.stem = stem
         self.inplanes = 64
-        self.conv1 = conv(3, 64, kernel_size=7, stride=2, pad_mode="pad", padding=3, has_bias=False)
+        if stem == CIFAR:
+            # kuangliu/pytorch-cifar's stem: a 3x3 stride-1 convolution and no max pool (torchvision's network
+            # with conv1 = Conv2d(3, 64, 3, 1, 1, bias=False) and maxpool = Identity()).
+            self.conv1 = conv3x3(3, 64, conv=conv)
+        else:
+            self.conv1 = conv(3, 64, kernel_size=7, stride=2, pad_mode="pad", padding=3, has_bias=False)
         self.bn1 = batch_norm(64)
         self.relu = nn.ReLU()
-        # torch's MaxPool2d(3, 2, padding=1) as an explicit zero pad and a 'valid' pool: the input is
-        # post-ReLU (>= 0), so zero padding gives the same maxima as torch's -inf padding, and unlike
-        # MaxPool2d(pad_mode='pad') this form exports to ONNX.
-        self.maxpool = nn.SequentialCell([ZeroPad1(), nn.MaxPool2d(kernel_size=3, stride=2, pad_mode="valid")])
+        if stem == CIFAR:
+            self.maxpool = nn.Identity()  # no parameters: the checkpoint names are the imagenet stem's
+        else:
+            # torch's MaxPool2d(3, 2, padding=1) as an explicit zero pad and a 'valid' pool: the input is
+            # post-ReLU (>= 0), so zero padding gives the same maxima as torch's -inf padding, and unlike
+            # MaxPool2d(pad_mode='pad') this form exports to ONNX.
+            self.maxpool = nn.SequentialCell([ZeroPad1(), nn.MaxPool2d(kernel_size=3, stride=2, pad_mode="valid")])
         self.layer1 = self._make_layer(block, 64, layers[0], 1, conv)
         self.layer2 = self._make_layer(block, 128, layers[1], 2, conv)
         self.layer3 = self._make_layer(block, 256, layers[2], 2, conv)
@@ -177,25 +191,29 @@ ARCHITECTURES: Dict[str, tuple] = {name: ({BASIC: BasicBlock, BOTTLENECK: Bottle
 
 
 def build_resnet(model_name: str, num_classes: int = 1000, zero_init_residual: bool = False,
-                 conv_implementation: str = "mindspore") -> ResNet:
+                 conv_implementation: str = "mindspore", stem: str = IMAGENET) -> ResNet:
     """Builds one of ARCHITECTURES by name, its convolutions from MindSpore's nn.Conv2d ("mindspore") or
     oneDNN's blocked-layout kernels ("onednn_blocked", CPU; see src/onednn_conv.py). Both have the same
-    parameters, so checkpoints are the same."""
+    parameters, so checkpoints are the same. stem: "imagenet" (torchvision's 7x7 stride-2 conv1 and max pool) or
+    "cifar" (a 3x3 stride-1 conv1, no max pool); the parameter names are the same, conv1.weight's shape differs."""
     if model_name not in ARCHITECTURES:
         raise ValueError(f"unknown model_name {model_name!r}; choose one of {', '.join(ARCHITECTURES)}")
+    if stem not in STEMS:
+        raise ValueError(f"unknown stem {stem!r}; choose one of {', '.join(STEMS)}")
     block, layers = ARCHITECTURES[model_name]
     conv = nn.Conv2d
     if conv_implementation == "onednn_blocked":
         from src.onednn_conv import BlockedConv2d  # only then: it needs the built native library
         conv = BlockedConv2d
-    return ResNet(block, layers, num_classes=num_classes, zero_init_residual=zero_init_residual, conv=conv)
+    return ResNet(block, layers, num_classes=num_classes, zero_init_residual=zero_init_residual, conv=conv,
+                  stem=stem)
 
 
 def _factory(model_name: str) -> Callable[..., ResNet]:
-    def make(num_classes: int = 1000, zero_init_residual: bool = False) -> ResNet:
-        return build_resnet(model_name, num_classes, zero_init_residual)
+    def make(num_classes: int = 1000, zero_init_residual: bool = False, stem: str = IMAGENET) -> ResNet:
+        return build_resnet(model_name, num_classes, zero_init_residual, stem=stem)
     make.__name__ = model_name
-    make.__doc__ = f"{model_name} as in torchvision (num_classes, zero_init_residual)."
+    make.__doc__ = f"{model_name} as in torchvision (num_classes, zero_init_residual, stem)."
     return make
 
 

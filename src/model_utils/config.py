@@ -11,7 +11,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import yaml
 
-from src.architectures import MODEL_NAMES
+from src.architectures import MODEL_NAMES, STEMS
 from src.augmentation import AUTO_AUGMENT, RANDAUGMENT_BINS
 from src.errors import UserError
 
@@ -22,6 +22,7 @@ CHOICES: Dict[str, Tuple[str, ...]] = {
     "context_mode": ("graph", "pynative"),
     "conv_implementation": ("auto", "onednn_blocked", "mindspore"),
     "model_name": MODEL_NAMES,
+    "stem": STEMS,
     "optimizer": ("adam", "momentum"),
     "lr_schedule": ("constant", "cosine", "step", "poly", "onecycle"),
     "amp_level": ("auto", "O0", "O1", "O2", "O3"),
@@ -70,11 +71,16 @@ VALUE_RULES: Dict[str, Tuple[Callable[[Any], bool], str]] = {
 
 
 class Config:
-    """Attribute access to the checked configuration values (config.lr, config.batch_size, ...)."""
+    """Attribute access to the checked configuration values (config.lr, config.batch_size, ...).
 
-    def __init__(self, values: Dict[str, Any], descriptions: Dict[str, str]) -> None:
+    It also knows which keys the user set (on the command line or in the --config_path file) as opposed to
+    default_config.yaml's values: is_set(key), where_set(key)."""
+
+    def __init__(self, values: Dict[str, Any], descriptions: Dict[str, str],
+                 explicit: Optional[Dict[str, str]] = None) -> None:
         object.__setattr__(self, "_values", dict(values))
         object.__setattr__(self, "_descriptions", dict(descriptions))
+        object.__setattr__(self, "_explicit", dict(explicit or {}))  # key -> where the user set it
 
     def __getattr__(self, key: str) -> Any:
         try:
@@ -92,7 +98,20 @@ class Config:
             _check_known(key, values, "replace()")
             values[key] = _coerce(key, value, values[key], "replace()")
         _check_values(values)
-        return Config(values, self._descriptions)
+        return Config(values, self._descriptions, self._explicit)  # a replaced value is the program's, not the user's
+
+    def is_set(self, key: str) -> bool:
+        """Whether the user set key (on the command line or in the --config_path file); False for a default."""
+        return key in self._explicit
+
+    def where_set(self, key: str) -> str:
+        """Where the user set key: 'on the command line' or 'in FILE' ('' when it is the default)."""
+        return self._explicit.get(key, "")
+
+    @property
+    def explicit_keys(self) -> frozenset:
+        """The keys the user set (command line or --config_path file)."""
+        return frozenset(self._explicit)
 
     def to_dict(self) -> Dict[str, Any]:
         return dict(self._values)
@@ -242,6 +261,7 @@ def load_config(argv: Optional[Sequence[str]] = None, default_path: Path = DEFAU
         raise SystemExit(0)
 
     values = dict(defaults)
+    explicit: Dict[str, str] = {}
     bool_keys = [key for key, value in defaults.items() if isinstance(value, bool)]
     pairs, arguments = _split_argv(argv, bool_keys, allow_positional=bool(positional))
     config_paths = [value for key, value in pairs if key == "config_path"]
@@ -253,15 +273,17 @@ def load_config(argv: Optional[Sequence[str]] = None, default_path: Path = DEFAU
         for key, value in overlay.items():
             _check_known(str(key), defaults, f"in {overlay_path}")
             values[key] = _coerce(key, value, defaults[key], f"in {overlay_path}")
+            explicit[key] = f"in {overlay_path}"
     for key, value in pairs:
         if key == "config_path":
             continue
         _check_known(key, defaults, "on the command line")
         values[key] = _coerce(key, value, defaults[key], "on the command line")
+        explicit[key] = "on the command line"
     _check_values(values)
     values["config_path"] = str(config_paths[0]) if config_paths else ""
     values["arguments"] = tuple(arguments)
-    return Config(values, descriptions)
+    return Config(values, descriptions, explicit)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
