@@ -78,8 +78,10 @@ class CheckpointWriter:
         self.extra_parameters = list(extra_parameters)  # saved beside train_step's (the EMA's averages)
         self.model_name = config.model_name
         self.keep = config.keep_checkpoint_max
+        # stem and the input size: eval.py, export.py and predict.py take them from here (RECORDED_KEYS).
         self.fixed = {"model_name": config.model_name, "class_num": config.class_num,
-                      "steps_per_epoch": steps_per_epoch}
+                      "steps_per_epoch": steps_per_epoch, "stem": config.stem,
+                      "image_height": config.image_height, "image_width": config.image_width}
 
     def path(self, tag: str) -> Path:
         return self.folder / f"{self.model_name}-{tag}.ckpt"

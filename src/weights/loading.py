@@ -14,8 +14,8 @@ from src.ema import ema_entries_as_weights, has_ema
 from src.errors import UserError
 from src.resnet import BN_EPS
 from src.weights.files import check_file_given, is_torch_file, load_torch_state_dict, read_checkpoint, verify_sha256
-from src.weights.names import (FORMAT_TITLES, OURS, TORCH, ZOO, NameMatch, describe_weights, known_differences,
-                               match_names, zoo_bn_eps)
+from src.weights.names import (FORMAT_TITLES, OURS, TORCH, ZOO, NameMatch, conv1_weight, describe_weights,
+                               known_differences, match_names, stem_of_weights, zoo_bn_eps)
 
 
 def network_weights(entries: Dict[str, Any], net: nn.Cell, path: str, model_name: str,
@@ -30,6 +30,12 @@ def network_weights(entries: Dict[str, Any], net: nn.Cell, path: str, model_name
     if found_arch and found_arch != model_name:  # even when every wanted name is there (resnet34 -> resnet18)
         raise UserError(f"checkpoint {path} holds {found_arch} weights, not {model_name}: "
                         f"pass --model_name {found_arch} or another checkpoint")
+    found_stem = stem_of_weights(entries)
+    net_stem = stem_of_weights(wanted)
+    if found_stem and net_stem and found_stem != net_stem:
+        raise UserError(f"checkpoint {path} holds {found_stem}-stem weights (conv1.weight "
+                        f"{_shape_text(conv1_weight(entries))}), the network has the {net_stem} stem: "
+                        f"pass --stem {found_stem} or another checkpoint")
     missing = [name for name in wanted if name not in entries]
     mismatched = [f"{name} {tuple(entries[name].shape)} vs {tuple(param.shape)}" for name, param in wanted.items()
                   if name in entries and tuple(entries[name].shape) != tuple(param.shape)]
@@ -48,6 +54,65 @@ def _list_some(items: List[str], label: str, limit: int = 3) -> List[str]:
         return []
     more = f" (+{len(items) - limit} more)" if len(items) > limit else ""
     return [f"{len(items)} {label}: {', '.join(items[:limit])}{more}"]
+
+
+# ------------------------------------------------------------------------------------------- recorded settings
+
+# Config keys train.py records in its checkpoints (src/training_checkpoints.py) that eval.py, export.py and
+# predict.py take from the checkpoint when the user did not set them.
+RECORDED_KEYS = ("stem", "image_height", "image_width")
+
+
+def _shape_text(value: Any) -> str:
+    return "x".join(str(int(d)) for d in value.shape)
+
+
+def _scalar(value: Any) -> Any:
+    """A recorded entry's value: a string as it is, a one-element tensor as a Python int."""
+    if isinstance(value, str):
+        return value
+    array = value.asnumpy() if hasattr(value, "asnumpy") else np.asarray(value)
+    return int(array.reshape(-1)[0]) if array.size == 1 else None
+
+
+def recorded_settings(entries: Dict[str, Any]) -> Dict[str, Tuple[Any, str]]:
+    """key -> (value, how the checkpoint shows it) for the RECORDED_KEYS a checkpoint tells: the entries train.py
+    writes, and for the stem, in any format, conv1.weight's shape (which wins over an entry: it is what the weights
+    need)."""
+    found: Dict[str, Tuple[Any, str]] = {}
+    for key in RECORDED_KEYS:
+        if key in entries:
+            value = _scalar(entries[key])
+            if value is not None:
+                found[key] = (value, f"records {key} {value}")
+    stem = stem_of_weights(entries)
+    if stem is not None:
+        found["stem"] = (stem, f"has the {stem} stem (conv1.weight {_shape_text(conv1_weight(entries))})")
+    return found
+
+
+def settings_from_checkpoint(config, entries: Dict[str, Any], path: str,
+                             logger: Optional[logging.Logger] = None):
+    """config with the RECORDED_KEYS the checkpoint tells (recorded_settings) where the user did not set them.
+
+    A value the user set (command line or --config_path file) that differs from the checkpoint's is refused with
+    one line (UserError) naming the key, the checkpoint's value and what to do.
+    """
+    changes = {}
+    for key, (value, shown) in recorded_settings(entries).items():
+        current = getattr(config, key)
+        if current == value:
+            continue
+        if config.is_set(key):
+            raise UserError(f"{key} {current} (set {config.where_set(key)}) contradicts checkpoint {path}, which "
+                            f"{shown}: leave {key} unset to use the checkpoint's {value}, or pass a checkpoint "
+                            f"made with {key} {current}")
+        changes[key] = value
+    if changes:
+        (logger or logging.getLogger(DEFAULT_LOGGER)).info(
+            "settings from checkpoint %s: %s", path, ", ".join(f"{key} {value}" for key, value in changes.items()))
+        config = config.replace(**changes)
+    return config
 
 
 # ------------------------------------------------------------------------------------------------------ loading
@@ -88,7 +153,8 @@ def _head_to_reinitialise(renamed: Dict[str, Any], params: Dict[str, ms.Paramete
 
 
 def load_weights_report(net: nn.Cell, path: str, model_name: str, logger: Optional[logging.Logger] = None,
-                        sha256: str = "", allow_new_head: bool = False, use_ema: bool = False) -> LoadReport:
+                        sha256: str = "", allow_new_head: bool = False, use_ema: bool = False,
+                        read: Optional[Tuple[Dict[str, Any], Optional[str]]] = None) -> LoadReport:
     """Loads the network weights of a checkpoint in any accepted format into net and says what it did.
 
     Formats: this project's .ckpt, a PyTorch/torchvision .pth (converted in memory), a MindSpore models-zoo
@@ -97,9 +163,11 @@ def load_weights_report(net: nn.Cell, path: str, model_name: str, logger: Option
     UserError and net is untouched. allow_new_head: when the file's fc does not fit net (another class count),
     fc keeps its fresh initialisation instead (fine-tuning). sha256 pins the file (a digest or a prefix).
     use_ema: load a train.py checkpoint's EMA weights (ema.*, src/ema.py) instead of its raw ones when it has them.
+    read: what read_weight_file(path, sha256) returned, when the caller has read the file already (to learn the
+    settings it records first: settings_from_checkpoint); it is not read again.
     """
     logger = logger or logging.getLogger(DEFAULT_LOGGER)
-    entries, fmt = read_weight_file(path, sha256)
+    entries, fmt = read if read is not None else read_weight_file(path, sha256)
     if use_ema and fmt is None and has_ema(entries):
         with_ema = ema_entries_as_weights(entries)
         if with_ema is not entries:

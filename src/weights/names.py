@@ -20,7 +20,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Collection, Dict, Iterable, List, Mapping, Optional, Tuple
 
-from src.architectures import ARCHITECTURES, BOTTLENECK
+from src.architectures import ARCHITECTURES, BOTTLENECK, stem_of_conv1
 
 # ------------------------------------------------------------------------------------ torch <-> MindSpore
 
@@ -74,8 +74,9 @@ _COMPONENT_RENAMES: Dict[str, Dict[str, str]] = {
 TRAINING_STATE_NAMES = frozenset({
     "global_step", "learning_rate", "momentum", "epoch_num", "step_num", "scale_sense", "loss_scale", "updates",
     "current_iterator_step", "last_overflow_iterator_step", "beta1_power", "beta2_power",
-    # this project's resume fields (src/trainer.py)
+    # this project's resume fields and recorded settings (src/training_checkpoints.py)
     "step_in_epoch", "steps_per_epoch", "best_top1", "epoch_loss_sum", "model_name", "class_num",
+    "stem", "image_height", "image_width",
 })
 # Prefixes of per-parameter optimizer / training copies: <prefix>.<parameter name>.
 TRAINING_STATE_PREFIXES = frozenset({
@@ -278,3 +279,16 @@ def describe_weights(entries: Mapping[str, Any]) -> Tuple[Optional[str], Optiona
     fc = entries.get("fc.weight")
     class_num = int(fc.shape[0]) if fc is not None and len(fc.shape) == 2 else None
     return architecture_of(entries), class_num
+
+
+
+def conv1_weight(entries: Mapping[str, Any]) -> Any:
+    """The stem's conv1.weight entry, also under a wrapper prefix (None when there is none)."""
+    return entries.get(find_wrapper_prefix(entries) + "conv1.weight")
+
+
+def stem_of_weights(entries: Mapping[str, Any]) -> Optional[str]:
+    """The stem (src/architectures.py STEMS) that conv1.weight's shape shows: a 3x3 kernel is the cifar stem, a 7x7
+    one imagenet's, in any naming scheme; None without a conv1 weight of either shape."""
+    shape = getattr(conv1_weight(entries), "shape", None)
+    return stem_of_conv1(shape) if shape is not None else None
