@@ -126,7 +126,7 @@ class Trainer:
                                            env.group_size, env.rank_id, config.eval_num_samples,
                                            config.num_parallel_workers, config.seed)
         self.net = build_resnet(config.model_name, config.class_num, config.zero_init_residual,
-                                env.conv_implementation)
+                                env.conv_implementation, config.stem)
         load_pretrained(self.net, config, logger)  # --pretrained weights; the --resume file's checkpoint_sha256
         self.inference_net: Optional[nn.Cell] = None  # what evaluation runs: see _evaluate_if_due
         self.ema = WeightsEma(self.net, config.ema_decay) if config.ema_decay > 0 else None
