@@ -101,27 +101,32 @@ def write_json_atomic(values: Dict, path: Path) -> Path:
 
 def run_evaluation(config, env, logger: logging.Logger) -> Dict:
     """Evaluates config.checkpoint_path on the test set; writes eval_result.json (and the confusion
-    matrix PNG when save_confusion_matrix) to output_path; returns the result dictionary."""
+    matrix PNG when save_confusion_matrix) to output_path; returns the result dictionary. The stem and input size
+    are the checkpoint's unless set (src.weights.loading.settings_from_checkpoint)."""
     from src.data_source import prepare_data
     from src.dataset import class_names, create_dataset
     from src.fused_inference import inference_network
     from src.plotting import plot_confusion_matrix
     from src.resnet import build_resnet
-    from src.weights.loading import load_weights_report
+    from src.weights.loading import load_weights_report, read_weight_file, settings_from_checkpoint
 
+    # The checkpoint first: the stem and input size it records apply unless set, and a bad file fails before the data.
+    read = read_weight_file(config.checkpoint_path, config.checkpoint_sha256)
+    config = settings_from_checkpoint(config, read[0], config.checkpoint_path, logger)
     data = prepare_data(config, logger, training=False)
-    net = build_resnet(config.model_name, config.class_num, conv_implementation=env.conv_implementation)
-    load_weights_report(net, config.checkpoint_path, config.model_name, logger, sha256=config.checkpoint_sha256,
-                        use_ema=config.use_ema)
+    net = build_resnet(config.model_name, config.class_num, conv_implementation=env.conv_implementation,
+                       stem=config.stem)
+    load_weights_report(net, config.checkpoint_path, config.model_name, logger, read=read, use_ema=config.use_ema)
     dataset = create_dataset(data.eval_path, False, config.batch_size, (config.image_height, config.image_width),
                              env.group_size, env.rank_id, config.eval_num_samples, config.num_parallel_workers,
                              config.seed)
-    logger.info("evaluating %s (%s) on %s", config.checkpoint_path, config.model_name, data.describe())
+    logger.info("evaluating %s (%s, %s stem, %dx%d) on %s", config.checkpoint_path, config.model_name, config.stem,
+                config.image_height, config.image_width, data.describe())
     result = evaluate(inference_network(net), dataset, config.class_num, env.group_size)
     names = class_names(config.class_num)
     values = {
         "top1": result.top1, "top5": result.top5, "loss": result.loss, "num_samples": result.num_samples,
-        "checkpoint": str(config.checkpoint_path), "model_name": config.model_name,
+        "checkpoint": str(config.checkpoint_path), "model_name": config.model_name, "stem": config.stem,
         "class_num": config.class_num, "data_path": data.eval_path, "synthetic_data": data.synthetic,
         "image_size": [config.image_height, config.image_width],
         "per_class_accuracy": result.per_class_accuracy(names),

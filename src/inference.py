@@ -127,16 +127,17 @@ class Classifier:
 
 def network_classifier(checkpoint_path: str, model_name: str, class_num: int, image_size: Tuple[int, int],
                        logger: Optional[logging.Logger] = None, sha256: str = "",
-                       conv_implementation: str = "mindspore", use_ema: bool = True) -> Classifier:
+                       conv_implementation: str = "mindspore", stem: str = "imagenet",
+                       read: Optional[Tuple[Dict, Optional[str]]] = None, use_ema: bool = True) -> Classifier:
     """The network with a checkpoint's weights (its EMA weights when it has them and use_ema), loaded through
     src.weights.loading.load_weights_report (any format it reads: this project's .ckpt, PyTorch .pth, models-zoo
-    and mindcv checkpoints)."""
+    and mindcv checkpoints). read: the file as read_weight_file returned it, when the caller has read it already."""
     import mindspore as ms
     from src.fused_inference import inference_network
     from src.resnet import build_resnet
     from src.weights.loading import load_weights_report
-    net = build_resnet(model_name, class_num, conv_implementation=conv_implementation)
-    load_weights_report(net, checkpoint_path, model_name, logger, sha256=sha256, use_ema=use_ema)
+    net = build_resnet(model_name, class_num, conv_implementation=conv_implementation, stem=stem)
+    load_weights_report(net, checkpoint_path, model_name, logger, sha256=sha256, read=read, use_ema=use_ema)
     inference_net = inference_network(net)  # in inference mode; fused into one native call a layer when it can
     return Classifier(run=lambda batch: inference_net(ms.Tensor(batch)).asnumpy(), image_size=tuple(image_size),
                       class_num=class_num, fixed_batch=None, description=f"{model_name} from {checkpoint_path}")
@@ -188,20 +189,28 @@ def mindir_classifier(path: str, image_size: Tuple[int, int], class_num: int, sh
                       fixed_batch=inputs[0] if inputs[0] > 0 else None, description=f"MindIR {path}")
 
 
-def load_classifier(model_path: str, model_name: str, class_num: int, image_size: Tuple[int, int],
-                    logger: Optional[logging.Logger] = None, sha256: str = "",
-                    conv_implementation: str = "mindspore", use_ema: bool = True) -> Classifier:
-    """A .mindir runs as exported; anything else is a checkpoint for load_weights_report. Raises UserError."""
+def is_mindir(model_path: str) -> bool:
+    """Whether model_path is an exported .mindir (True) or a checkpoint (False). Raises UserError for no path and
+    for model files predict.py cannot run."""
     if not model_path:
         raise UserError("no model given: pass --checkpoint_path FILE (.ckpt, .pth or an exported .mindir)")
     suffix = Path(model_path).suffix.lower()
     if suffix in UNSUPPORTED_MODEL_SUFFIXES:
         raise UserError(f"predict.py cannot run {model_path}: {UNSUPPORTED_MODEL_SUFFIXES[suffix]}; "
                         "pass a .ckpt, a .pth or a .mindir")
-    if suffix == ".mindir":
+    return suffix == ".mindir"
+
+
+def load_classifier(model_path: str, model_name: str, class_num: int, image_size: Tuple[int, int],
+                    logger: Optional[logging.Logger] = None, sha256: str = "",
+                    conv_implementation: str = "mindspore", stem: str = "imagenet",
+                    read: Optional[Tuple[Dict, Optional[str]]] = None, use_ema: bool = True) -> Classifier:
+    """A .mindir runs as exported (its stem and input size are in the graph); anything else is a checkpoint for
+    load_weights_report. Raises UserError."""
+    if is_mindir(model_path):
         return mindir_classifier(model_path, image_size, class_num, sha256)
     return network_classifier(model_path, model_name, class_num, image_size, logger, sha256, conv_implementation,
-                              use_ema)
+                              stem, read, use_ema)
 
 
 # ---------------------------------------------------------------- prediction
@@ -267,10 +276,16 @@ def run_predict(config, env, logger: logging.Logger) -> Tuple[int, Dict]:
     paths = list(config.arguments)
     if not paths:
         raise UserError("no images given: python predict.py --checkpoint_path MODEL image.png [more images ...]")
-    # The model first: its class count decides how many names the class_names_file must have.
+    # The model first: its class count decides how many names the class_names_file must have. A checkpoint's
+    # recorded stem and input size apply unless set.
+    read = None
+    if not is_mindir(config.checkpoint_path):
+        from src.weights.loading import read_weight_file, settings_from_checkpoint
+        read = read_weight_file(config.checkpoint_path, config.checkpoint_sha256)
+        config = settings_from_checkpoint(config, read[0], config.checkpoint_path, logger)
     classifier = load_classifier(config.checkpoint_path, config.model_name, config.class_num,
                                  (config.image_height, config.image_width), logger, config.checkpoint_sha256,
-                                 env.conv_implementation, config.use_ema)
+                                 env.conv_implementation, config.stem, read, config.use_ema)
     names = load_class_names(config.class_names_file, classifier.class_num)
     logger.info("classifying %d file(s) with %s at %dx%d", len(paths), classifier.description,
                 *classifier.image_size)
