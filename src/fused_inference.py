@@ -4,6 +4,8 @@
 - each BatchNorm is folded into the convolution before it (its running statistics, as inference uses them):
   weights * gamma / sqrt(var + eps), bias beta - mean * gamma / sqrt(var + eps), computed in float64;
 - ReLU and the residual addition run inside the convolution as oneDNN post-ops;
+- either stem (src/resnet.py): conv1 with its BatchNorm and ReLU, then the imagenet stem's max pool natively (the
+  cifar stem has none);
 - activations stay in one layout from layer to layer, so nothing is reordered between layers: channel blocks
   (nChw16c, or nChw8c without AVX-512: oneDNN's direct jit kernels), or NHWC (its brgemm kernels) when the
   channels don't fill whole blocks or when asked for (LAYOUT_CHOICES); the global average pool reads that layout;
@@ -22,7 +24,7 @@ import mindspore as ms
 from mindspore import nn, ops
 
 from src.onednn_conv import BlockedConv2d, channel_block, usable_library
-from src.resnet import BasicBlock, Bottleneck, ResNet
+from src.resnet import BasicBlock, Bottleneck, ResNet, ZeroPad1
 
 # Activation layouts, numbered as native/onednn_conv.cc's Layout. MindSpore sees NHWC tensors as (N, H, W, C),
 # NCHW and BLOCKED (nChw16c or nChw8c: the same floats in blocks of channel_block() channels) as (N, C, H, W).
@@ -185,7 +187,12 @@ class FusedResNet(nn.Cell):
         activations = BLOCKED if self.runs_blocked else NHWC
         # The stem reads the NCHW images itself on the blocked layout; for NHWC construct transposes them.
         self.conv1 = FusedConv(net.conv1, "Relu", NCHW if self.runs_blocked else NHWC, activations)
-        self.maxpool, self.maxpool_layout = _stem_pool_op(activations), _layouts(activations)
+        # The imagenet stem's 3x3 stride-2 max pool, natively; the cifar stem has none.
+        self.has_maxpool = _stem_max_pool(net)
+        if self.has_maxpool is None:
+            raise ValueError(why_not_fusable(net))
+        self.maxpool = _stem_pool_op(activations) if self.has_maxpool else None
+        self.maxpool_layout = _layouts(activations)
         self.layers = nn.SequentialCell([FusedBlock(block, activations)
                                          for layer in (net.layer1, net.layer2, net.layer3, net.layer4)
                                          for block in layer])
@@ -207,7 +214,10 @@ class FusedResNet(nn.Cell):
         n = x.shape[0]
         if not self.runs_blocked:  # a constant: the graph keeps one path
             x = ops.transpose(x, (0, 2, 3, 1))
-        x = self.layers(self.maxpool(self.conv1(x), self.maxpool_layout))
+        x = self.conv1(x)
+        if self.has_maxpool:  # a constant, like runs_blocked
+            x = self.maxpool(x, self.maxpool_layout)
+        x = self.layers(x)
         if self.runs_blocked:  # (N, C, H, W) holding N, C/block, H, W, block
             _, c, h, w = x.shape
             block = self.block
@@ -215,10 +225,24 @@ class FusedResNet(nn.Cell):
         return self.fc(x.mean(axis=(1, 2)))
 
 
+def _stem_max_pool(net: ResNet) -> Optional[bool]:
+    """True when net's stem ends in ResNet's imagenet max pool (3x3, stride 2, padding 1: what the native MaxPool
+    runs), False when it has none (the cifar stem's Identity), None for any other cell in its place."""
+    pool = net.maxpool
+    if isinstance(pool, nn.Identity):
+        return False
+    if isinstance(pool, nn.SequentialCell) and len(pool) == 2 and isinstance(pool[0], ZeroPad1) and \
+            isinstance(pool[1], nn.MaxPool2d):
+        return True
+    return None
+
+
 def why_not_fusable(net: nn.Cell) -> Optional[str]:
     """None when FusedResNet can run net's inference, else the reason."""
     if not isinstance(net, ResNet):
         return "not a ResNet"
+    if _stem_max_pool(net) is None:
+        return "its stem's max pool is neither the imagenet stem's (3x3, stride 2, padding 1) nor absent"
     convs = [cell for _, cell in net.cells_and_names() if isinstance(cell, nn.Conv2d)]
     if not all(isinstance(conv, BlockedConv2d) and conv.blocked_op is not None for conv in convs):
         return "its convolutions are not all the native blocked ones"
