@@ -8,6 +8,9 @@ The .pth is read with torch.load(weights_only=True): nothing in it is executed. 
 parameter of the architecture with the same shape and every parameter must be there, else the unmatched names
 are listed and nothing is written. --verify runs torchvision's network with the .pth and ours with the .ckpt
 on the same random batch in eval mode and fails (exit code 1, no output file) above the tolerance.
+
+Weights with a 3x3 conv1 have the cifar stem (--stem cifar in this project): torchvision's network is then built with
+conv1 = nn.Conv2d(3, 64, 3, 1, 1, bias=False) and maxpool = nn.Identity() for --verify.
 """
 import argparse
 import sys
@@ -64,8 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tolerance", type=_tolerance, default=DEFAULT_TOLERANCE,
                         help="--verify: largest accepted max|logit difference| / max|torch logit| "
                              f"(default {DEFAULT_TOLERANCE:g})")
-    parser.add_argument("--image_size", type=_image_size, default=224,
-                        help="--verify: height and width of the random batch (default 224)")
+    parser.add_argument("--image_size", type=_image_size, default=None,
+                        help="--verify: height and width of the random batch (default 224; 32 for weights with the "
+                             "cifar stem, a 3x3 conv1)")
     return parser
 
 
@@ -74,7 +78,8 @@ def _print_conversion(conversion: Conversion, source: str, target: str, reverse:
         print(f"note: {note}")
     head = f"{conversion.num_classes} classes" if conversion.has_head else "no head (--drop_head)"
     what = "tensors (torchvision names)" if reverse else "parameters"
-    print(f"converted {source} -> {target}: {conversion.model_name}, {head}, {len(conversion.weights)} {what}",
+    stem = f" ({conversion.stem} stem)" if conversion.stem != "imagenet" else ""
+    print(f"converted {source} -> {target}: {conversion.model_name}{stem}, {head}, {len(conversion.weights)} {what}",
           flush=True)
 
 

@@ -18,7 +18,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 import numpy as np
 
-from src.architectures import MODEL_NAMES
+from src.architectures import CIFAR, IMAGENET, MODEL_NAMES, stem_of_conv1
 from src.errors import UserError
 from src.weights.files import (TorchStateDict, load_torch_state_dict, read_checkpoint, save_checkpoint_atomic,
                                save_torch_state_dict_atomic)
@@ -46,12 +46,14 @@ LISTED_NAMES = 8  # unmatched names shown in the one-line error (all of them are
 # ------------------------------------------------------------------------------------ checked conversion
 
 @lru_cache(maxsize=None)
-def expected_parameters(model_name: str, num_classes: int) -> Tuple[Tuple[str, Tuple[int, ...]], ...]:
-    """(MindSpore name, shape) of every parameter of build_resnet(model_name, num_classes), in network order."""
+def expected_parameters(model_name: str, num_classes: int,
+                        stem: str = IMAGENET) -> Tuple[Tuple[str, Tuple[int, ...]], ...]:
+    """(MindSpore name, shape) of every parameter of build_resnet(model_name, num_classes, stem=stem), in network
+    order."""
     from mindspore.nn.utils import no_init_parameters
     from src.resnet import build_resnet
     with no_init_parameters():  # names and shapes only: skip drawing 60M random numbers for resnet152
-        net = build_resnet(model_name, num_classes)
+        net = build_resnet(model_name, num_classes, stem=stem)
     return tuple((param.name, tuple(int(d) for d in param.shape)) for param in net.get_parameters())
 
 
@@ -65,6 +67,7 @@ class Conversion:
     num_batches_tracked: Dict[str, int]  # BatchNorm module -> torch's counter
     notes: List[str] = field(default_factory=list)
     ignored: List[str] = field(default_factory=list)  # input entries set aside (training state)
+    stem: str = IMAGENET  # src/architectures.py STEMS: what conv1.weight's shape shows
 
 
 def _some(names: List[str], limit: int = LISTED_NAMES) -> str:
@@ -78,6 +81,13 @@ class MismatchError(UserError):
     def __init__(self, message: str, unexpected: List[str], missing: List[str], mismatched: List[str]) -> None:
         super().__init__(message)
         self.unexpected, self.missing, self.mismatched = unexpected, missing, mismatched
+
+
+def _stem_of(shapes: Mapping[str, Tuple[int, ...]]) -> str:
+    """The stem conv1.weight's shape shows: cifar for a 3x3 kernel, else imagenet (torchvision's 7x7; any other
+    shape is then listed as a mismatch against it)."""
+    conv1 = shapes.get("conv1.weight")
+    return CIFAR if conv1 is not None and stem_of_conv1(conv1) == CIFAR else IMAGENET
 
 
 def _classes_of(shapes: Mapping[str, Tuple[int, ...]]) -> Optional[int]:
@@ -170,7 +180,8 @@ def torch_to_mindspore_weights(state: TorchStateDict, path: str, model_name: Opt
                             f"--num_classes is {num_classes}: pass --drop_head to leave the head out for "
                             f"fine-tuning, or --num_classes {file_classes}")
         classes = num_classes or file_classes or 1000
-    want = dict(expected_parameters(model_name, classes))
+    stem = _stem_of(shapes)
+    want = dict(expected_parameters(model_name, classes, stem))
     if drop_head:
         for name in HEAD:
             want.pop(name)
@@ -186,7 +197,10 @@ def torch_to_mindspore_weights(state: TorchStateDict, path: str, model_name: Opt
         weights[name] = value
     if cast:
         notes.append(f"converted {', '.join(sorted(cast))} tensors to float32 (the network's type)")
-    return Conversion(model_name, classes, not drop_head, weights, counters, notes)
+    if stem == CIFAR:
+        notes.append("conv1.weight is 3x3: the cifar stem (3x3 stride-1 conv1, no max pool); load it with --stem cifar "
+                     "(eval.py, export.py and predict.py see it from the weights)")
+    return Conversion(model_name, classes, not drop_head, weights, counters, notes, stem=stem)
 
 
 def mindspore_to_torch_weights(entries: Mapping[str, Any], path: str, model_name: Optional[str] = None,
@@ -213,7 +227,8 @@ def mindspore_to_torch_weights(entries: Mapping[str, Any], path: str, model_name
         raise UserError(f"{path} has no fc head (converted with --drop_head?): torchvision's "
                         "load_state_dict(strict=True) needs one; convert a checkpoint with its head")
     classes = file_classes or num_classes or 1000
-    want = dict(expected_parameters(model_name, classes))
+    stem = _stem_of(shapes)
+    want = dict(expected_parameters(model_name, classes, stem))
     check_names_and_shapes(shapes, want, path, label)
     counters: Dict[str, int] = {}
     if NUM_BATCHES_TRACKED_ENTRY in entries:
@@ -242,7 +257,10 @@ def mindspore_to_torch_weights(entries: Mapping[str, Any], path: str, model_name
         notes.append(f"set aside {len(ignored)} entries that are training state, not weights: {_some(ignored, 4)}")
     if not counters:
         notes.append("num_batches_tracked set to 0 (torchvision's BatchNorm uses it only when momentum=None)")
-    return Conversion(model_name, classes, True, weights, counters, notes, ignored)
+    if stem == CIFAR:
+        notes.append("conv1.weight is 3x3: the cifar stem; in torchvision build the model with conv1 = "
+                     "nn.Conv2d(3, 64, 3, 1, 1, bias=False) and maxpool = nn.Identity() before load_state_dict")
+    return Conversion(model_name, classes, True, weights, counters, notes, ignored, stem=stem)
 
 
 # ------------------------------------------------------------------------------------------------ writing
@@ -351,16 +369,33 @@ def torchvision_available() -> bool:
     return True
 
 
+# --verify's default input size per stem: the imagenet stem's usual 224, the cifar stem's 32 (CIFAR's images; at 224
+# it would compute 49 times as much).
+VERIFY_IMAGE_SIZE = {IMAGENET: 224, CIFAR: 32}
+
+
+def torchvision_resnet(model_name: str, num_classes: int, stem: str = IMAGENET):
+    """torchvision's network of model_name (random weights); for the cifar stem with conv1 = nn.Conv2d(3, 64, 3, 1,
+    1, bias=False) and maxpool = nn.Identity(), the network src/resnet.py builds with stem="cifar"."""
+    import torch
+    import torchvision
+    net = getattr(torchvision.models, model_name)(num_classes=num_classes)
+    if stem == CIFAR:
+        net.conv1 = torch.nn.Conv2d(3, 64, kernel_size=3, stride=1, padding=1, bias=False)
+        net.maxpool = torch.nn.Identity()
+    return net
+
+
 def compare_with_torchvision(pth_path: str, ckpt_path: str, model_name: str, num_classes: int,
                              head_from_torch: bool = False, image_size: int = 224, batch_size: int = 2,
-                             seed: int = 0, tolerance: float = DEFAULT_TOLERANCE) -> Comparison:
+                             seed: int = 0, tolerance: float = DEFAULT_TOLERANCE, stem: str = IMAGENET) -> Comparison:
     """Loads pth_path into torchvision's network and ckpt_path into ours and compares eval-mode logits.
 
     head_from_torch: the .ckpt has no fc (--drop_head); both networks then use torchvision's freshly
-    initialised num_classes head, so the comparison covers every converted weight.
+    initialised num_classes head, so the comparison covers every converted weight. stem: cifar builds both
+    networks with the cifar stem (torchvision's with a 3x3 stride-1 conv1 and no max pool: torchvision_resnet).
     """
     import torch
-    import torchvision
     import mindspore as ms
     from mindspore.nn.utils import no_init_parameters
     from src.resnet import build_resnet
@@ -368,7 +403,7 @@ def compare_with_torchvision(pth_path: str, ckpt_path: str, model_name: str, num
     apply_cpu_speed_setting()  # before MindSpore's first convolution (oneDNN reads it once)
 
     torch.manual_seed(seed)
-    tv_net = getattr(torchvision.models, model_name)(num_classes=num_classes)
+    tv_net = torchvision_resnet(model_name, num_classes, stem)
     state = {name: torch.from_numpy(np.array(value)) for name, value in load_torch_state_dict(pth_path).arrays.items()}
     for module, bn in tv_net.named_modules():  # older files have no num_batches_tracked; it has no effect here
         if isinstance(bn, torch.nn.BatchNorm2d):
@@ -377,14 +412,14 @@ def compare_with_torchvision(pth_path: str, ckpt_path: str, model_name: str, num
         state = {name: value for name, value in state.items() if name not in HEAD}
         result = tv_net.load_state_dict(state, strict=False)
         if set(result.missing_keys) - set(HEAD) or result.unexpected_keys:
-            raise UserError(f"{pth_path} does not fit torchvision's {model_name}: {result}")
+            raise UserError(f"{pth_path} does not fit torchvision's {model_name} ({stem} stem): {result}")
     else:
         tv_net.load_state_dict(state, strict=True)
     tv_net.eval()
 
     entries = read_checkpoint(ckpt_path)
     with no_init_parameters():  # every parameter is set below
-        net = build_resnet(model_name, num_classes)
+        net = build_resnet(model_name, num_classes, stem=stem)
     params = {}
     for param in net.get_parameters():
         if head_from_torch and param.name in HEAD:
@@ -407,15 +442,16 @@ def compare_with_torchvision(pth_path: str, ckpt_path: str, model_name: str, num
     return Comparison(max_abs, max_abs / max(scale, 1e-30), scale, tolerance, batch_size, image_size)
 
 
-def verify_against_torchvision(tolerance: float = DEFAULT_TOLERANCE, image_size: int = 224, batch_size: int = 2,
-                               report: Optional[Callable[[Comparison], None]] = None) -> Check:
-    """A check for convert_*: compare_with_torchvision on the new file; raises VerificationFailed above
-    tolerance (the output then keeps no final name). report gets the comparison either way."""
+def verify_against_torchvision(tolerance: float = DEFAULT_TOLERANCE, image_size: Optional[int] = None,
+                               batch_size: int = 2, report: Optional[Callable[[Comparison], None]] = None) -> Check:
+    """A check for convert_*: compare_with_torchvision on the new file, with the stem its conv1 shows; raises
+    VerificationFailed above tolerance (the output then keeps no final name). report gets the comparison either
+    way. image_size None: VERIFY_IMAGE_SIZE of the stem."""
     def check(pth_path: str, ckpt_path: str, conversion: Conversion) -> None:
         comparison = compare_with_torchvision(
             pth_path, ckpt_path, conversion.model_name, conversion.num_classes,
-            head_from_torch=not conversion.has_head, image_size=image_size, batch_size=batch_size,
-            tolerance=tolerance)
+            head_from_torch=not conversion.has_head, image_size=image_size or VERIFY_IMAGE_SIZE[conversion.stem],
+            batch_size=batch_size, tolerance=tolerance, stem=conversion.stem)
         if report is not None:
             report(comparison)
         if not comparison.ok:
