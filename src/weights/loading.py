@@ -104,9 +104,10 @@ def settings_from_checkpoint(config, entries: Dict[str, Any], path: str,
         if current == value:
             continue
         if config.is_set(key):
-            raise UserError(f"{key} {current} (set {config.where_set(key)}) contradicts checkpoint {path}, which "
-                            f"{shown}: leave {key} unset to use the checkpoint's {value}, or pass a checkpoint "
-                            f"made with {key} {current}")
+            where = config.where_set(key)
+            drop = f"drop --{key}" if where == "on the command line" else f"remove {key} from the file"
+            raise UserError(f"{key} {current} (set {where}) contradicts checkpoint {path}, which {shown}: {drop} to "
+                            f"use the checkpoint's {value}, or pass a checkpoint made with {key} {current}")
         changes[key] = value
     if changes:
         (logger or logging.getLogger(DEFAULT_LOGGER)).info(
