@@ -20,7 +20,16 @@ float32 up to 18 % apart for ResNet-18 (torch float32 is the one that is off: Mi
 float64) and 285 % for ResNet-152. No float32 implementation, torch's included, can match another elementwise
 there. Per unit the same comparison is well conditioned (worst 4e-5), and the units compose to the whole gradient
 by the chain rule, so every parameter is still checked. torch float64 is the reference per unit so that a ReLU flip
-in torch's own float32 run does not count against MindSpore.
+in torch's own float32 run does not count against MindSpore. Within a unit a flip can still happen in MindSpore's
+float32 run: at 32x32 maps (the cifar stem's layer1: 262k values per ReLU at batch 4) one or a few ReLU inputs fall
+within rounding of zero (measured |z| <= 8e-8 max|z|), and one switched decision moved a conv gradient by 0.6 %
+(ResNet-18) to 10 % (bn3.bias, ResNet-50); torch float32 itself is 0.04 % off float64 there. So the float64
+reference takes MindSpore's ReLU decisions, and the test checks that they differ from float64's only within
+RELU_FLIP_MARGIN of zero; with that, unit gradients match to ~1e-6.
+
+The cifar stem (3x3 stride-1 conv1, no max pool; torchvision's network with conv1 = Conv2d(3, 64, 3, 1, 1) and
+maxpool = Identity()) is measured the same way for ResNet-18 and -50 (and ResNet-18 on the blocked convolutions),
+eval logits at 32x32.
 
 Run with -s to see the measured numbers.
 """
@@ -40,8 +49,8 @@ torch = pytest.importorskip("torch")
 torchvision = pytest.importorskip("torchvision")
 
 from conftest import in_fresh_process, randomise_batchnorm, read_ckpt_entries, rel_diff
-from src.resnet import build_resnet
-from src.weights.convert import convert_pth_to_ckpt
+from src.resnet import Bottleneck, build_resnet, conv_bn
+from src.weights.convert import convert_pth_to_ckpt, torchvision_resnet
 from src.weights.names import mindspore_to_torch_name
 
 ms.set_context(mode=ms.PYNATIVE_MODE)  # per-op execution: no graph compilation for five depths
@@ -49,11 +58,16 @@ ms.set_context(mode=ms.PYNATIVE_MODE)  # per-op execution: no graph compilation 
 DEPTHS = ["resnet18", "resnet34", "resnet50", "resnet101", "resnet152"]
 NUM_CLASSES = 10
 EVAL_SHAPE = (4, 3, 64, 64)  # layer4 at 2x2, so padding at the borders matters up to the last stage
+# The cifar stem (3x3 stride-1 conv1, no max pool) at CIFAR's size: layer4 at 4x4.
+EVAL_SHAPE_CIFAR = (4, 3, 32, 32)
 TRAIN_SHAPE = (4, 3, 32, 32)  # CIFAR's size; train mode computes a backward pass, keep it cheap
 
 EVAL_REL_TOL = 1e-5  # max|ms - torch| / max|torch| on logits
 UNIT_FORWARD_REL_TOL = 1e-5  # unit outputs and moving statistics vs torch float64
 GRAD_REL_TOL = 1e-3  # max|g_ms - g_ref| / max|g_ref| per parameter (the issue's bound)
+# Per unit, the float64 reference takes MindSpore's ReLU decisions; they may differ from float64's own only where
+# float64's pre-activation is within this fraction of its tensor's max |value| of zero (rounding, not a bug).
+RELU_FLIP_MARGIN = 1e-5
 # Whole-network train-mode logits may differ from torch float32 by this many times torch's own float32 error
 # (torch float32 vs torch float64, measured in the test), or by TRAIN_LOGITS_FLOOR, whichever is larger.
 TRAIN_LOGITS_SPREAD_FACTOR = 4.0
@@ -97,6 +111,60 @@ def ms_unit(net: nn.Cell, name: str) -> Callable:
         return lambda features: net.fc(features)
     layer, index = name.split(".")
     return getattr(net, layer)[int(index)]
+
+
+def ms_relu_decisions(net: nn.Cell, name: str, x) -> List[np.ndarray]:
+    """MindSpore's ReLU decisions (pre-activation > 0) inside a unit, in forward order, from a train-mode forward of
+    its cells as ResNet runs them; the moving statistics this extra forward changes are put back."""
+    if name == "head":
+        return []
+    saved = {p.name: p.asnumpy().copy() for p in net.get_parameters() if ".moving_" in p.name}
+    if name == "stem":
+        pre = [conv_bn(net.conv1, net.bn1, x)]
+    else:
+        layer, index = name.split(".")
+        block = getattr(net, layer)[int(index)]
+        pre = [conv_bn(block.conv1, block.bn1, x)]
+        out = conv_bn(block.conv2, block.bn2, block.relu(pre[-1]))
+        if isinstance(block, Bottleneck):
+            pre.append(out)
+            out = conv_bn(block.conv3, block.bn3, block.relu(out))
+        identity = x if block.downsample is None else conv_bn(block.downsample[0], block.downsample[1], x)
+        pre.append(out + identity)
+    decisions = [z.asnumpy() > 0 for z in pre]
+    for param in net.get_parameters():
+        if param.name in saved:
+            param.set_data(ms.Tensor(saved[param.name]))
+    return decisions
+
+
+def torch_unit_with_decisions(tv_net: "torch.nn.Module", name: str, decisions: List[np.ndarray],
+                              flips: List[Tuple[int, float]]) -> Callable:
+    """torch_unit whose ReLUs take the given decisions (MindSpore's): relu(z) = z * decision. Appends (elements
+    where a decision differs from z > 0, their largest |z| / max|z|) to flips for each ReLU."""
+    if name == "head":
+        return torch_unit(tv_net, name)
+
+    def forward(x):
+        remaining = iter(decisions)
+
+        def relu(z):
+            decision = torch.from_numpy(next(remaining))
+            differ = (z.detach() > 0) != decision
+            worst = float(z.detach().abs()[differ].max() / z.detach().abs().max()) if differ.any() else 0.0
+            flips.append((int(differ.sum()), worst))
+            return z * decision.to(z.dtype)
+
+        if name == "stem":
+            return tv_net.maxpool(relu(tv_net.bn1(tv_net.conv1(x))))
+        layer, index = name.split(".")
+        block = getattr(tv_net, layer)[int(index)]
+        out = block.bn2(block.conv2(relu(block.bn1(block.conv1(x)))))
+        if isinstance(block, torchvision.models.resnet.Bottleneck):
+            out = block.bn3(block.conv3(relu(out)))
+        identity = x if block.downsample is None else block.downsample(x)
+        return relu(out + identity)
+    return forward
 
 
 def ms_unit_objective(cell: Callable, upstream, loss_fn: nn.Cell, labels) -> Callable:
@@ -167,6 +235,8 @@ class Parity:
     train_logits_rel: float = 0.0
     train_logits_torch_spread: float = 0.0  # torch float32 vs torch float64
     unit_forward_rel: Dict[str, float] = field(default_factory=dict)
+    # unit -> (ReLU decisions MindSpore took otherwise than float64, the largest float64 |z| / max|z| among them)
+    unit_relu_flips: Dict[str, Tuple[int, float]] = field(default_factory=dict)
     unit_stats_rel: Dict[str, float] = field(default_factory=dict)
     unit_input_grad_rel: Dict[str, float] = field(default_factory=dict)
     unit_param_grad_rel: Dict[str, float] = field(default_factory=dict)  # torch name -> rel
@@ -183,28 +253,30 @@ class Parity:
     seconds: float = 0.0
 
 
-def measure(depth: str, folder, conv_implementation: str = "mindspore") -> Parity:
+def measure(depth: str, folder, conv_implementation: str = "mindspore", stem: str = "imagenet") -> Parity:
+    """stem cifar: torchvision's network with conv1 = Conv2d(3, 64, 3, 1, 1, bias=False) and maxpool = Identity()
+    against ours built with stem="cifar" (the converter finds the stem from conv1's shape)."""
     start = time.perf_counter()
     result = Parity(depth)
     rng = np.random.default_rng(DEPTHS.index(depth))
     torch.manual_seed(DEPTHS.index(depth))
-    tv_net = getattr(torchvision.models, depth)(num_classes=NUM_CLASSES)
+    tv_net = torchvision_resnet(depth, NUM_CLASSES, stem)
     randomise_batchnorm(tv_net, rng)
     tv_reference = copy.deepcopy(tv_net).double()  # float64 twin, still with the saved running statistics
 
     # Convert through files, as a user would.
     pth, ckpt = folder / f"{depth}.pth", folder / f"{depth}.ckpt"
     torch.save(tv_net.state_dict(), pth)
-    convert_pth_to_ckpt(str(pth), str(ckpt))
+    assert convert_pth_to_ckpt(str(pth), str(ckpt)).stem == stem
     with no_init_parameters():  # every parameter comes from the .ckpt
-        net = build_resnet(depth, NUM_CLASSES, conv_implementation=conv_implementation)
+        net = build_resnet(depth, NUM_CLASSES, conv_implementation=conv_implementation, stem=stem)
     not_loaded, _ = ms.load_param_into_net(net, read_ckpt_entries(ckpt), strict_load=True)
     assert not not_loaded, not_loaded
     pth.unlink()
     ckpt.unlink()
 
     # Eval mode, whole network.
-    images = rng.standard_normal(EVAL_SHAPE).astype(np.float32)
+    images = rng.standard_normal(EVAL_SHAPE_CIFAR if stem == "cifar" else EVAL_SHAPE).astype(np.float32)
     tv_net.eval()
     net.set_train(False)
     with torch.no_grad():
@@ -234,17 +306,23 @@ def measure(depth: str, folder, conv_implementation: str = "mindspore") -> Parit
         ref_params = {key: p for key, p in tv_reference.named_parameters() if key.startswith(prefixes)}
         for p in ref_params.values():
             p.grad = None
+        x = ms.Tensor(unit_input.numpy())
+        # A ReLU input within rounding of zero may switch the other way in MindSpore's float32 than in float64 (at
+        # 32x32 maps, the cifar stem's layer1, it happens in a few units): the float64 reference takes MindSpore's
+        # decisions, and the test checks they differ only there (RELU_FLIP_MARGIN).
+        flips: List[Tuple[int, float]] = []
+        reference_unit = torch_unit_with_decisions(tv_reference, name, ms_relu_decisions(net, name, x), flips)
         if name == "head":  # the loss itself is part of the head
-            ref_out = torch_unit(tv_reference, name)(ref_input)
+            ref_out = reference_unit(ref_input)
             torch.nn.functional.cross_entropy(ref_out, torch.from_numpy(labels).long()).backward()
         else:
-            ref_out = torch_unit(tv_reference, name)(ref_input)
+            ref_out = reference_unit(ref_input)
             (ref_out * upstream.double()).sum().backward()
+        result.unit_relu_flips[name] = (sum(count for count, _ in flips), max((w for _, w in flips), default=0.0))
 
         cell = ms_unit(net, name)
         params = [p for p in net.trainable_params() if mindspore_to_torch_name(p.name) in ref_params]
         assert sorted(mindspore_to_torch_name(p.name) for p in params) == sorted(ref_params), name
-        x = ms.Tensor(unit_input.numpy())
         objective = ms_unit_objective(cell, None if name == "head" else ms.Tensor(upstream.numpy()), loss_fn,
                                       ms_labels)
         (_, out), (grad_input, grad_params) = ms.value_and_grad(objective, 0, params, has_aux=True)(x)
@@ -320,19 +398,30 @@ def measure(depth: str, folder, conv_implementation: str = "mindspore") -> Parit
 
 
 # The blocked-layout convolutions (src/onednn_conv.py) must pass the same tests with the same tolerances: one
-# network of each block type, to keep the suite's time down.
-CASES = [(depth, "mindspore") for depth in DEPTHS] + [("resnet18", "onednn_blocked"), ("resnet50", "onednn_blocked")]
+# network of each block type, to keep the suite's time down. The cifar stem (3x3 stride-1 conv1, no max pool) the
+# same: ResNet-18 and -50 at 32x32, and ResNet-18 on the blocked convolutions.
+CASES = [(depth, "mindspore", "imagenet") for depth in DEPTHS] + [
+    ("resnet18", "onednn_blocked", "imagenet"), ("resnet50", "onednn_blocked", "imagenet"),
+    ("resnet18", "mindspore", "cifar"), ("resnet50", "mindspore", "cifar"), ("resnet18", "onednn_blocked", "cifar")]
 
 
-@pytest.fixture(scope="module", params=CASES, ids=lambda case: case[0] if case[1] == "mindspore" else "-".join(case))
+def case_id(case) -> str:
+    """resnet18, resnet18-onednn_blocked, resnet18-cifar, resnet18-onednn_blocked-cifar."""
+    return "-".join(part for part in case if part not in ("mindspore", "imagenet"))
+
+
+@pytest.fixture(scope="module", params=CASES, ids=case_id)
 def parity(request, tmp_path_factory) -> Parity:
-    depth, conv_implementation = request.param
-    result = in_fresh_process(measure, depth, tmp_path_factory.mktemp(depth), conv_implementation)
-    MEASURED[depth if conv_implementation == "mindspore" else f"{depth} ({conv_implementation})"] = {
+    depth, conv_implementation, stem = request.param
+    result = in_fresh_process(measure, depth, tmp_path_factory.mktemp(depth), conv_implementation, stem)
+    label = ", ".join(part for part in (conv_implementation, f"{stem} stem") if part not in ("mindspore", "imagenet stem"))
+    MEASURED[f"{depth} ({label})" if label else depth] = {
         "eval logits rel": result.eval_rel,
         "train logits rel vs torch f32": result.train_logits_rel,
         "torch f32 vs f64 train logits": result.train_logits_torch_spread,
         "unit forward rel": max(result.unit_forward_rel.values()),
+        "ReLU decisions unlike float64": sum(count for count, _ in result.unit_relu_flips.values()),
+        "their max |z| / max|z|": max(worst for _, worst in result.unit_relu_flips.values()),
         "moving stats rel": max(result.unit_stats_rel.values()),
         "unit grads rel (worst param)": max(result.unit_param_grad_rel.values()),
         "unit input grads rel": max(result.unit_input_grad_rel.values()),
@@ -392,6 +481,9 @@ def test_cross_entropy_gradients_of_every_parameter_match(parity):
     """Every trainable parameter's gradient (unit by unit, same inputs and upstream gradients as torch's
     backward) equals torch float64's within relative 1e-3; so does every unit's input gradient."""
     assert sorted(parity.unit_param_grad_rel) == sorted(parity.trainable_torch)  # every parameter, once
+    # The reference took MindSpore's ReLU decisions: they differ from float64's only within rounding of zero.
+    bad = {name: flips for name, flips in parity.unit_relu_flips.items() if flips[1] > RELU_FLIP_MARGIN}
+    assert not bad, f"{parity.depth}: ReLU decisions differ from float64's away from zero (count, |z|/max|z|): {bad}"
     assert sorted(parity.trainable_ms) == sorted(parity.trainable_torch)
     bad = {key: rel for key, rel in parity.unit_param_grad_rel.items() if rel > GRAD_REL_TOL}
     assert not bad, f"{parity.depth}: gradients differ (relative): {dict(list(bad.items())[:5])}"
