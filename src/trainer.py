@@ -307,7 +307,7 @@ class Trainer:
             if self.ema_net is None:
                 config = self.config
                 self.ema_net = build_resnet(config.model_name, config.class_num, config.zero_init_residual,
-                                            self.env.conv_implementation)
+                                            self.env.conv_implementation, config.stem)
             self.ema.copy_to(self.ema_net)
             self.ema_inference_net = inference_network(self.ema_net, self.ema_inference_net)
             ema_result = self._evaluate(self.ema_inference_net, " (EMA weights)")

@@ -17,7 +17,7 @@ from src.train_step import AmpSetting, build_train_step
 from src.trainer import build_optimizer
 
 RECIPE = ["--model_name", "resnet18", "--batch_size", "8", "--train_num_samples", "96", "--eval_num_samples", "32",
-          "--epoch_size", "2", "--ema_decay", "0.9", *FAST_ARGS]
+          "--epoch_size", "2", "--ema_decay", "0.9", "--stem", "cifar", *FAST_ARGS]
 
 
 @pytest.mark.parametrize("sink", [False, True])
@@ -86,7 +86,7 @@ def test_training_evaluates_and_saves_the_ema_and_eval_py_uses_it_by_default(ema
 def test_export_and_predict_use_the_ema_weights(ema_run, tmp_path):
     out, _ = ema_run
     checkpoint = str(out / "resnet18-last.ckpt")
-    common = ["--model_name", "resnet18", "--image_height", "32", "--image_width", "32"]
+    common = ["--model_name", "resnet18"]  # stem and input size: the checkpoint's
     exported = run_script("export.py", ["--checkpoint_path", checkpoint, "--output_path", str(tmp_path),
                                         "--batch_size", "1", "--verify", *common])
     assert exported.returncode == 0, exported.stderr[-3000:]
