@@ -144,7 +144,8 @@ class Trainer:
                 logger.info("dataset_sink_mode: batches go through MindSpore's device queue, %s", sink)
             else:
                 logger.info("dataset_sink_mode on CPU: %s with the loss read once per sink, as on a device, but "
-                            "the batches come from Python: MindSpore has no device queue on CPU", sink)
+                            "the batches come from Python (MindSpore has no device queue on CPU), so it is no "
+                            "faster than without", sink)
         self.state = TrainingState()
         if config.resume:
             self.state = restore_training_state(config.resume, self.net, self.step.train_step, config,
