@@ -12,6 +12,7 @@ import pytest
 from conftest import (FAST_ARGS, assert_one_line_error, one_line_user_error, read_ckpt_entries, read_metrics,
                       run_script, start_training, temp_files, wait_for_line)
 from src.errors import UserError
+from src.model_utils.config import load_config
 from src.onednn_conv import resolve_conv_implementation
 from src.training_checkpoints import CheckpointWriter
 
@@ -149,9 +150,8 @@ def test_a_sunk_run_stopped_by_a_signal_resumes_from_a_sink_boundary_to_the_same
 # ---------------------------------------------------------------- checkpoints every N steps
 
 def test_step_and_epoch_checkpoints_rotate_oldest_first(tmp_path):
-    class Config:
-        model_name, class_num, keep_checkpoint_max = "resnet18", 10, 3
-    writer = CheckpointWriter(str(tmp_path), Config, 12)
+    writer = CheckpointWriter(str(tmp_path), load_config(["--model_name", "resnet18", "--keep_checkpoint_max", "3"]),
+                              12)
     names = ["resnet18-epoch001-step00005.ckpt", "resnet18-epoch001-step00010.ckpt", "resnet18-epoch001.ckpt",
              "resnet18-epoch002-step00003.ckpt", "resnet18-epoch010-step00001.ckpt", "resnet18-epoch010.ckpt"]
     for name in reversed(names):
