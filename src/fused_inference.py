@@ -6,6 +6,9 @@
 - ReLU and the residual addition run inside the convolution as oneDNN post-ops;
 - either stem (src/resnet.py): conv1 with its BatchNorm and ReLU, then the imagenet stem's max pool natively (the
   cifar stem has none);
+- the torch semantics and any other with symmetric padding (models_zoo ResNet-18/34: only BatchNorm eps differs,
+  which the folding takes from each BatchNorm); a network that pads 'same' (mindcv, models_zoo ResNet-50+) runs
+  unfused (why_not_fusable);
 - activations stay in one layout from layer to layer, so nothing is reordered between layers: channel blocks
   (nChw16c, or nChw8c without AVX-512: oneDNN's direct jit kernels), or NHWC (its brgemm kernels) when the
   channels don't fill whole blocks or when asked for (LAYOUT_CHOICES); the global average pool reads that layout;
@@ -241,6 +244,9 @@ def why_not_fusable(net: nn.Cell) -> Optional[str]:
     """None when FusedResNet can run net's inference, else the reason."""
     if not isinstance(net, ResNet):
         return "not a ResNet"
+    if getattr(net, "same_padding", False):
+        return (f"it is built with {net.semantics} semantics, which pad 'same' (asymmetrically at stride 2) where the "
+                "fused kernels pad symmetrically")
     if _stem_max_pool(net) is None:
         return "its stem's max pool is neither the imagenet stem's (3x3, stride 2, padding 1) nor absent"
     convs = [cell for _, cell in net.cells_and_names() if isinstance(cell, nn.Conv2d)]

@@ -6,6 +6,12 @@ PyTorch state_dict maps onto this network by renaming the BatchNorm fields only
 
 Two stems: torchvision's ("imagenet": 7x7 stride-2 conv1 and a max pool) and a CIFAR one ("cifar": 3x3 stride-1
 conv1, no max pool, as kuangliu/pytorch-cifar). They share parameter names; conv1.weight's shape tells them apart.
+
+Three semantics (src/architectures.py SEMANTICS), with the same parameter names: torch (torchvision's, this project's
+own), mindcv (its stem max pool pads 'same') and models_zoo (the MindSpore models zoo's: BatchNorm eps 1e-4, and for
+ResNet-50/101/152 'same' padding of the stem conv, max pool and stride-2 3x3 convs), so that a checkpoint of either
+zoo gives its home network's outputs. 'same' padding is an explicit zero pad (SamePad) before a 'valid' convolution
+or pool: it exports to ONNX and the native blocked convolutions run the 'valid' convolution.
 """
 import math
 from typing import Callable, Dict, List, Optional, Type, Union
@@ -13,7 +19,8 @@ from typing import Callable, Dict, List, Optional, Type, Union
 from mindspore import nn, ops
 from mindspore.common import initializer as init
 
-from src.architectures import ARCHITECTURES as LAYOUTS, BASIC, BOTTLENECK, CIFAR, IMAGENET, STEMS
+from src.architectures import (ARCHITECTURES as LAYOUTS, BASIC, BOTTLENECK, CIFAR, IMAGENET, SEMANTICS, STEMS,
+                                TORCH, Variant, variant_of)
 
 # torch.nn.BatchNorm2d defaults: momentum 0.1 (MindSpore counts it the other way round), eps 1e-5.
 BN_MOMENTUM = 0.9
@@ -23,8 +30,12 @@ BN_EPS = 1e-5
 ConvClass = Type[nn.Conv2d]  # nn.Conv2d or a subclass with other kernels (src.onednn_conv.BlockedConv2d)
 
 
-def conv3x3(in_planes: int, out_planes: int, stride: int = 1, conv: ConvClass = nn.Conv2d) -> nn.Conv2d:
+def conv3x3(in_planes: int, out_planes: int, stride: int = 1, conv: ConvClass = nn.Conv2d,
+            padded: bool = True) -> nn.Conv2d:
     # pad_mode='pad' with explicit padding: MindSpore's default 'same' pads asymmetrically at stride 2.
+    # padded=False: 'valid', for a convolution whose input a SamePad cell pads.
+    if not padded:
+        return conv(in_planes, out_planes, kernel_size=3, stride=stride, pad_mode="valid", has_bias=False)
     return conv(in_planes, out_planes, kernel_size=3, stride=stride, pad_mode="pad", padding=1, has_bias=False)
 
 
@@ -32,8 +43,42 @@ def conv1x1(in_planes: int, out_planes: int, stride: int = 1, conv: ConvClass = 
     return conv(in_planes, out_planes, kernel_size=1, stride=stride, pad_mode="valid", has_bias=False)
 
 
-def batch_norm(channels: int) -> nn.BatchNorm2d:
-    return nn.BatchNorm2d(channels, eps=BN_EPS, momentum=BN_MOMENTUM)
+def batch_norm(channels: int, eps: float = BN_EPS) -> nn.BatchNorm2d:
+    return nn.BatchNorm2d(channels, eps=eps, momentum=BN_MOMENTUM)
+
+
+def _same_padding(size: int, kernel: int, stride: int):
+    """(before, after): the zeros MindSpore's pad_mode 'same' adds along a dimension of this size."""
+    total = max((-(-size // stride) - 1) * stride + kernel - size, 0)
+    return total // 2, total - total // 2
+
+
+def _zeros_around(x, axis: int, before: int, after: int):
+    """x with before and after zero rows (axis 2) or columns (axis 3), by concatenation."""
+    parts = []
+    if before > 0:
+        parts.append(ops.zeros_like(x[:, :, :before, :] if axis == 2 else x[:, :, :, :before]))
+    parts.append(x)
+    if after > 0:
+        parts.append(ops.zeros_like(x[:, :, :after, :] if axis == 2 else x[:, :, :, :after]))
+    return ops.concat(parts, axis) if len(parts) > 1 else x
+
+
+class SamePad(nn.Cell):
+    """The zeros MindSpore's pad_mode 'same' puts around an (N, C, H, W) input of a kernel x kernel convolution or
+    pool at stride: max((ceil(n / stride) - 1) * stride + kernel - n, 0) along H and W, the smaller half first. A
+    'valid' convolution of the result is the 'same' convolution; so is a 'valid' max pool of a post-ReLU (>= 0)
+    input. H and W are static (also with a dynamic batch); the sizes come from them at compile time."""
+
+    def __init__(self, kernel: int, stride: int) -> None:
+        super().__init__()
+        self.kernel = kernel
+        self.stride = stride
+
+    def construct(self, x):
+        top, bottom = _same_padding(x.shape[2], self.kernel, self.stride)
+        left, right = _same_padding(x.shape[3], self.kernel, self.stride)
+        return _zeros_around(_zeros_around(x, 2, top, bottom), 3, left, right)
 
 
 def conv_bn(conv: nn.Conv2d, bn: nn.BatchNorm2d, x):
@@ -48,13 +93,15 @@ class BasicBlock(nn.Cell):
     expansion = 1
 
     def __init__(self, inplanes: int, planes: int, stride: int = 1,
-                 downsample: Optional[nn.SequentialCell] = None, conv: ConvClass = nn.Conv2d) -> None:
+                 downsample: Optional[nn.SequentialCell] = None, conv: ConvClass = nn.Conv2d,
+                 variant: Variant = Variant()) -> None:
         super().__init__()
-        self.conv1 = conv3x3(inplanes, planes, stride, conv)
-        self.bn1 = batch_norm(planes)
+        self.pad1 = SamePad(3, stride) if variant.stride2_conv_same and stride != 1 else None
+        self.conv1 = conv3x3(inplanes, planes, stride, conv, padded=self.pad1 is None)
+        self.bn1 = batch_norm(planes, variant.block_bn_eps)
         self.relu = nn.ReLU()
         self.conv2 = conv3x3(planes, planes, conv=conv)
-        self.bn2 = batch_norm(planes)
+        self.bn2 = batch_norm(planes, variant.block_bn_eps)
         self.downsample = downsample
 
     def last_bn(self) -> nn.BatchNorm2d:
@@ -62,7 +109,10 @@ class BasicBlock(nn.Cell):
 
     def construct(self, x):
         identity = x
-        out = self.relu(conv_bn(self.conv1, self.bn1, x))
+        out = x
+        if self.pad1 is not None:
+            out = self.pad1(out)
+        out = self.relu(conv_bn(self.conv1, self.bn1, out))
         out = conv_bn(self.conv2, self.bn2, out)
         if self.downsample is not None:
             identity = conv_bn(self.downsample[0], self.downsample[1], x)
@@ -74,14 +124,16 @@ class Bottleneck(nn.Cell):
     expansion = 4
 
     def __init__(self, inplanes: int, planes: int, stride: int = 1,
-                 downsample: Optional[nn.SequentialCell] = None, conv: ConvClass = nn.Conv2d) -> None:
+                 downsample: Optional[nn.SequentialCell] = None, conv: ConvClass = nn.Conv2d,
+                 variant: Variant = Variant()) -> None:
         super().__init__()
         self.conv1 = conv1x1(inplanes, planes, conv=conv)
-        self.bn1 = batch_norm(planes)
-        self.conv2 = conv3x3(planes, planes, stride, conv)
-        self.bn2 = batch_norm(planes)
+        self.bn1 = batch_norm(planes, variant.block_bn_eps)
+        self.pad2 = SamePad(3, stride) if variant.stride2_conv_same and stride != 1 else None
+        self.conv2 = conv3x3(planes, planes, stride, conv, padded=self.pad2 is None)
+        self.bn2 = batch_norm(planes, variant.block_bn_eps)
         self.conv3 = conv1x1(planes, planes * self.expansion, conv=conv)
-        self.bn3 = batch_norm(planes * self.expansion)
+        self.bn3 = batch_norm(planes * self.expansion, variant.block_bn_eps)
         self.relu = nn.ReLU()
         self.downsample = downsample
 
@@ -91,6 +143,8 @@ class Bottleneck(nn.Cell):
     def construct(self, x):
         identity = x
         out = self.relu(conv_bn(self.conv1, self.bn1, x))
+        if self.pad2 is not None:
+            out = self.pad2(out)
         out = self.relu(conv_bn(self.conv2, self.bn2, out))
         out = conv_bn(self.conv3, self.bn3, out)
         if self.downsample is not None:
@@ -117,19 +171,31 @@ class ResNet(nn.Cell):
     """ResNet backbone plus a linear classifier over the globally averaged features."""
 
     def __init__(self, block: Block, layers: List[int], num_classes: int = 1000,
-                 zero_init_residual: bool = False, conv: ConvClass = nn.Conv2d, stem: str = IMAGENET) -> None:
+                 zero_init_residual: bool = False, conv: ConvClass = nn.Conv2d, stem: str = IMAGENET,
+                 semantics: str = TORCH, variant: Optional[Variant] = None) -> None:
         super().__init__()
         if stem not in STEMS:
             raise ValueError(f"unknown stem {stem!r}; choose one of {', '.join(STEMS)}")
+        if semantics not in SEMANTICS:
+            raise ValueError(f"unknown semantics {semantics!r}; choose one of {', '.join(SEMANTICS)}")
         self.stem = stem
+        self.semantics = semantics  # src/architectures.py SEMANTICS; variant says what it means for this network
+        self.variant = variant or Variant()
+        variant = self.variant
+        # Whether any layer pads 'same' (asymmetric at stride 2): the fused inference network does not run those.
+        self.same_padding = variant.stride2_conv_same or (stem == IMAGENET and variant.same_padding)
+        self.stem_pad = None
         self.inplanes = 64
         if stem == CIFAR:
             # kuangliu/pytorch-cifar's stem: a 3x3 stride-1 convolution and no max pool (torchvision's network
             # with conv1 = Conv2d(3, 64, 3, 1, 1, bias=False) and maxpool = Identity()).
             self.conv1 = conv3x3(3, 64, conv=conv)
+        elif variant.stem_conv_same:
+            self.stem_pad = SamePad(7, 2)
+            self.conv1 = conv(3, 64, kernel_size=7, stride=2, pad_mode="valid", has_bias=False)
         else:
             self.conv1 = conv(3, 64, kernel_size=7, stride=2, pad_mode="pad", padding=3, has_bias=False)
-        self.bn1 = batch_norm(64)
+        self.bn1 = batch_norm(64, variant.stem_bn_eps)
         self.relu = nn.ReLU()
         if stem == CIFAR:
             self.maxpool = nn.Identity()  # no parameters: the checkpoint names are the imagenet stem's
@@ -137,23 +203,28 @@ class ResNet(nn.Cell):
             # torch's MaxPool2d(3, 2, padding=1) as an explicit zero pad and a 'valid' pool: the input is
             # post-ReLU (>= 0), so zero padding gives the same maxima as torch's -inf padding, and unlike
             # MaxPool2d(pad_mode='pad') this form exports to ONNX.
-            self.maxpool = nn.SequentialCell([ZeroPad1(), nn.MaxPool2d(kernel_size=3, stride=2, pad_mode="valid")])
-        self.layer1 = self._make_layer(block, 64, layers[0], 1, conv)
-        self.layer2 = self._make_layer(block, 128, layers[1], 2, conv)
-        self.layer3 = self._make_layer(block, 256, layers[2], 2, conv)
-        self.layer4 = self._make_layer(block, 512, layers[3], 2, conv)
+            # mindcv's and the models zoo's ResNet-50+ pool pads 'same' instead (SamePad: 0 before, 1 after at an
+            # even size), zeros for the same reason.
+            pad = SamePad(3, 2) if variant.max_pool_same else ZeroPad1()
+            self.maxpool = nn.SequentialCell([pad, nn.MaxPool2d(kernel_size=3, stride=2, pad_mode="valid")])
+        self.layer1 = self._make_layer(block, 64, layers[0], 1, conv, variant)
+        self.layer2 = self._make_layer(block, 128, layers[1], 2, conv, variant)
+        self.layer3 = self._make_layer(block, 256, layers[2], 2, conv, variant)
+        self.layer4 = self._make_layer(block, 512, layers[3], 2, conv, variant)
         self.fc = nn.Dense(512 * block.expansion, num_classes)
         self.num_classes = num_classes
         self._initialize(zero_init_residual)
 
-    def _make_layer(self, block: Block, planes: int, blocks: int, stride: int, conv: ConvClass) -> nn.SequentialCell:
+    def _make_layer(self, block: Block, planes: int, blocks: int, stride: int, conv: ConvClass,
+                    variant: Variant) -> nn.SequentialCell:
         downsample = None
         if stride != 1 or self.inplanes != planes * block.expansion:
+            # A 1x1 'same' convolution pads nothing at any stride: 'valid' in every semantics.
             downsample = nn.SequentialCell([conv1x1(self.inplanes, planes * block.expansion, stride, conv),
-                                            batch_norm(planes * block.expansion)])
-        cells = [block(self.inplanes, planes, stride, downsample, conv)]
+                                            batch_norm(planes * block.expansion, variant.shortcut_bn_eps)])
+        cells = [block(self.inplanes, planes, stride, downsample, conv, variant)]
         self.inplanes = planes * block.expansion
-        cells += [block(self.inplanes, planes, conv=conv) for _ in range(1, blocks)]
+        cells += [block(self.inplanes, planes, conv=conv, variant=variant) for _ in range(1, blocks)]
         return nn.SequentialCell(cells)
 
     def _initialize(self, zero_init_residual: bool) -> None:
@@ -178,6 +249,8 @@ class ResNet(nn.Cell):
                     gamma.set_data(init.initializer("zeros", gamma.shape, gamma.dtype))
 
     def construct(self, x):
+        if self.stem_pad is not None:
+            x = self.stem_pad(x)
         x = self.maxpool(self.relu(conv_bn(self.conv1, self.bn1, x)))
         x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
         # Global average pooling: a mean over H and W equals AdaptiveAvgPool2d((1, 1)) and is cheaper.
@@ -191,22 +264,25 @@ ARCHITECTURES: Dict[str, tuple] = {name: ({BASIC: BasicBlock, BOTTLENECK: Bottle
 
 
 def build_resnet(model_name: str, num_classes: int = 1000, zero_init_residual: bool = False,
-                 conv_implementation: str = "mindspore", stem: str = IMAGENET) -> ResNet:
+                 conv_implementation: str = "mindspore", stem: str = IMAGENET, semantics: str = TORCH) -> ResNet:
     """Builds one of ARCHITECTURES by name, its convolutions from MindSpore's nn.Conv2d ("mindspore") or
     oneDNN's blocked-layout kernels ("onednn_blocked", CPU; see src/onednn_conv.py). Both have the same
     parameters, so checkpoints are the same. stem: "imagenet" (torchvision's 7x7 stride-2 conv1 and max pool) or
-    "cifar" (a 3x3 stride-1 conv1, no max pool); the parameter names are the same, conv1.weight's shape differs."""
+    "cifar" (a 3x3 stride-1 conv1, no max pool); the parameter names are the same, conv1.weight's shape differs.
+    semantics: "torch" (this project's), "mindcv" or "models_zoo": computes as that zoo's ResNet does (padding, BatchNorm
+    eps; src/architectures.py variant_of), with the same parameter names."""
     if model_name not in ARCHITECTURES:
         raise ValueError(f"unknown model_name {model_name!r}; choose one of {', '.join(ARCHITECTURES)}")
     if stem not in STEMS:
         raise ValueError(f"unknown stem {stem!r}; choose one of {', '.join(STEMS)}")
     block, layers = ARCHITECTURES[model_name]
+    variant = variant_of(semantics, model_name)  # ValueError for an unknown semantics
     conv = nn.Conv2d
     if conv_implementation == "onednn_blocked":
         from src.onednn_conv import BlockedConv2d  # only then: it needs the built native library
         conv = BlockedConv2d
     return ResNet(block, layers, num_classes=num_classes, zero_init_residual=zero_init_residual, conv=conv,
-                  stem=stem)
+                  stem=stem, semantics=semantics, variant=variant)
 
 
 def _factory(model_name: str) -> Callable[..., ResNet]:
