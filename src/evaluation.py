@@ -108,14 +108,17 @@ def run_evaluation(config, env, logger: logging.Logger) -> Dict:
     from src.fused_inference import inference_network
     from src.plotting import plot_confusion_matrix
     from src.resnet import build_resnet
-    from src.weights.loading import load_weights_report, read_weight_file, settings_from_checkpoint
+    from src.weights.loading import (checkpoint_semantics, load_weights_report, read_weight_file,
+                                     settings_from_checkpoint)
 
     # The checkpoint first: the stem and input size it records apply unless set, and a bad file fails before the data.
     read = read_weight_file(config.checkpoint_path, config.checkpoint_sha256)
     config = settings_from_checkpoint(config, read[0], config.checkpoint_path, logger)
     data = prepare_data(config, logger, training=False)
+    # A models-zoo or mindcv checkpoint runs in its home network's semantics (padding, BatchNorm eps).
+    semantics = checkpoint_semantics(read, config.checkpoint_path, logger)
     net = build_resnet(config.model_name, config.class_num, conv_implementation=env.conv_implementation,
-                       stem=config.stem)
+                       stem=config.stem, semantics=semantics)
     load_weights_report(net, config.checkpoint_path, config.model_name, logger, read=read, use_ema=config.use_ema)
     dataset = create_dataset(data.eval_path, False, config.batch_size, (config.image_height, config.image_width),
                              env.group_size, env.rank_id, config.eval_num_samples, config.num_parallel_workers,
@@ -127,6 +130,7 @@ def run_evaluation(config, env, logger: logging.Logger) -> Dict:
     values = {
         "top1": result.top1, "top5": result.top5, "loss": result.loss, "num_samples": result.num_samples,
         "checkpoint": str(config.checkpoint_path), "model_name": config.model_name, "stem": config.stem,
+        "semantics": semantics,
         "class_num": config.class_num, "data_path": data.eval_path, "synthetic_data": data.synthetic,
         "image_size": [config.image_height, config.image_width],
         "per_class_accuracy": result.per_class_accuracy(names),

@@ -223,7 +223,8 @@ def _size_text(path: Path) -> str:
 def run_export(config, env, logger: logging.Logger) -> Tuple[int, Dict]:
     """export.py's work after init_env: (exit code, summary). Exit code 1 when verification fails."""
     from src.resnet import build_resnet
-    from src.weights.loading import load_weights_report, read_weight_file, settings_from_checkpoint
+    from src.weights.loading import (checkpoint_semantics, load_weights_report, read_weight_file,
+                                     settings_from_checkpoint)
 
     check_device(config.file_format, env.device_target)
     final = export_path(config.output_path, config.file_name, config.model_name, config.file_format)
@@ -231,7 +232,9 @@ def run_export(config, env, logger: logging.Logger) -> Tuple[int, Dict]:
     read = read_weight_file(config.checkpoint_path, config.checkpoint_sha256)
     config = settings_from_checkpoint(config, read[0], config.checkpoint_path, logger)
     image_size = (config.image_height, config.image_width)
-    net = build_resnet(config.model_name, config.class_num, stem=config.stem)
+    # A models-zoo or mindcv checkpoint exports its home network (padding, BatchNorm eps).
+    semantics = checkpoint_semantics(read, config.checkpoint_path, logger)
+    net = build_resnet(config.model_name, config.class_num, stem=config.stem, semantics=semantics)
     load_weights_report(net, config.checkpoint_path, config.model_name, logger, read=read, use_ema=config.use_ema)
     logger.info("exporting %s (%s, %s stem, %d classes) as %s, input %s", config.checkpoint_path, config.model_name,
                 config.stem, config.class_num, config.file_format,
@@ -241,7 +244,7 @@ def run_export(config, env, logger: logging.Logger) -> Tuple[int, Dict]:
     summary = {
         "file": str(result.path) if result.path else None, "file_format": config.file_format,
         "input_shape": result.shape, "checkpoint": str(config.checkpoint_path), "model_name": config.model_name,
-        "stem": config.stem, "class_num": config.class_num,
+        "stem": config.stem, "semantics": semantics, "class_num": config.class_num,
         "verify": [{"batch_size": d.batch_size, "max_abs_diff": _finite(d.max_abs), "max_rel_diff": _finite(d.relative),
                     "tolerance": d.tolerance, "ok": d.ok} for d in result.differences],
     }

@@ -128,15 +128,17 @@ class Classifier:
 def network_classifier(checkpoint_path: str, model_name: str, class_num: int, image_size: Tuple[int, int],
                        logger: Optional[logging.Logger] = None, sha256: str = "",
                        conv_implementation: str = "mindspore", stem: str = "imagenet",
-                       read: Optional[Tuple[Dict, Optional[str]]] = None, use_ema: bool = True) -> Classifier:
+                       read: Optional[Tuple[Dict, Optional[str]]] = None, use_ema: bool = True,
+                       semantics: str = "torch") -> Classifier:
     """The network with a checkpoint's weights (its EMA weights when it has them and use_ema), loaded through
     src.weights.loading.load_weights_report (any format it reads: this project's .ckpt, PyTorch .pth, models-zoo
-    and mindcv checkpoints). read: the file as read_weight_file returned it, when the caller has read it already."""
+    and mindcv checkpoints). read: the file as read_weight_file returned it, when the caller has read it already.
+    semantics: the network's (src/architectures.py SEMANTICS; checkpoint_semantics tells a checkpoint's)."""
     import mindspore as ms
     from src.fused_inference import inference_network
     from src.resnet import build_resnet
     from src.weights.loading import load_weights_report
-    net = build_resnet(model_name, class_num, conv_implementation=conv_implementation, stem=stem)
+    net = build_resnet(model_name, class_num, conv_implementation=conv_implementation, stem=stem, semantics=semantics)
     load_weights_report(net, checkpoint_path, model_name, logger, sha256=sha256, read=read, use_ema=use_ema)
     inference_net = inference_network(net)  # in inference mode; fused into one native call a layer when it can
     return Classifier(run=lambda batch: inference_net(ms.Tensor(batch)).asnumpy(), image_size=tuple(image_size),
@@ -204,13 +206,14 @@ def is_mindir(model_path: str) -> bool:
 def load_classifier(model_path: str, model_name: str, class_num: int, image_size: Tuple[int, int],
                     logger: Optional[logging.Logger] = None, sha256: str = "",
                     conv_implementation: str = "mindspore", stem: str = "imagenet",
-                    read: Optional[Tuple[Dict, Optional[str]]] = None, use_ema: bool = True) -> Classifier:
+                    read: Optional[Tuple[Dict, Optional[str]]] = None, use_ema: bool = True,
+                    semantics: str = "torch") -> Classifier:
     """A .mindir runs as exported (its stem and input size are in the graph); anything else is a checkpoint for
     load_weights_report. Raises UserError."""
     if is_mindir(model_path):
         return mindir_classifier(model_path, image_size, class_num, sha256)
     return network_classifier(model_path, model_name, class_num, image_size, logger, sha256, conv_implementation,
-                              stem, read, use_ema)
+                              stem, read, use_ema, semantics)
 
 
 # ---------------------------------------------------------------- prediction
@@ -278,14 +281,15 @@ def run_predict(config, env, logger: logging.Logger) -> Tuple[int, Dict]:
         raise UserError("no images given: python predict.py --checkpoint_path MODEL image.png [more images ...]")
     # The model first: its class count decides how many names the class_names_file must have. A checkpoint's
     # recorded stem and input size apply unless set.
-    read = None
+    read, semantics = None, "torch"
     if not is_mindir(config.checkpoint_path):
-        from src.weights.loading import read_weight_file, settings_from_checkpoint
+        from src.weights.loading import checkpoint_semantics, read_weight_file, settings_from_checkpoint
         read = read_weight_file(config.checkpoint_path, config.checkpoint_sha256)
         config = settings_from_checkpoint(config, read[0], config.checkpoint_path, logger)
+        semantics = checkpoint_semantics(read, config.checkpoint_path, logger)  # a foreign zoo's home network
     classifier = load_classifier(config.checkpoint_path, config.model_name, config.class_num,
                                  (config.image_height, config.image_width), logger, config.checkpoint_sha256,
-                                 env.conv_implementation, config.stem, read, config.use_ema)
+                                 env.conv_implementation, config.stem, read, config.use_ema, semantics)
     names = load_class_names(config.class_names_file, classifier.class_num)
     logger.info("classifying %d file(s) with %s at %dx%d", len(paths), classifier.description,
                 *classifier.image_size)

@@ -9,13 +9,13 @@ import numpy as np
 import mindspore as ms
 from mindspore import nn
 
-from src.architectures import has_basic_blocks
+from src.architectures import TORCH as TORCH_SEMANTICS, has_basic_blocks
 from src.ema import ema_entries_as_weights, has_ema
 from src.errors import UserError
-from src.resnet import BN_EPS
 from src.weights.files import check_file_given, is_torch_file, load_torch_state_dict, read_checkpoint, verify_sha256
-from src.weights.names import (FORMAT_TITLES, OURS, TORCH, ZOO, NameMatch, conv1_weight, describe_weights,
-                               known_differences, match_names, stem_of_weights, zoo_bn_eps)
+from src.weights.names import (FORMAT_TITLES, HOME_SEMANTICS, OURS, TORCH, ZOO, NameMatch, conv1_weight,
+                               describe_weights, detect_format, known_differences, match_names, stem_of_weights,
+                               zoo_bn_eps)
 
 
 def network_weights(entries: Dict[str, Any], net: nn.Cell, path: str, model_name: str,
@@ -116,6 +116,24 @@ def settings_from_checkpoint(config, entries: Dict[str, Any], path: str,
     return config
 
 
+# ------------------------------------------------------------------------------------------------------ semantics
+
+
+def checkpoint_semantics(read: Tuple[Dict[str, Any], Optional[str]], path: str,
+                         logger: Optional[logging.Logger] = None) -> str:
+    """The semantics (src/architectures.py SEMANTICS) of the network that wrote a checkpoint, from its format
+    (names.HOME_SEMANTICS): eval.py, export.py and predict.py build the network with it, so that a models-zoo or
+    mindcv checkpoint gives its home network's outputs. read: what read_weight_file returned. Logs a foreign one."""
+    entries, fmt = read
+    fmt = fmt or detect_format(entries)
+    semantics = HOME_SEMANTICS[fmt]
+    if semantics != TORCH_SEMANTICS:
+        (logger or logging.getLogger(DEFAULT_LOGGER)).info(
+            "network: %s is a %s: building the network with %s semantics to reproduce its home network", path,
+            FORMAT_TITLES[fmt], semantics)
+    return semantics
+
+
 # ------------------------------------------------------------------------------------------------------ loading
 
 DEFAULT_LOGGER = "resnet"  # src.utils.get_logger's logger
@@ -189,10 +207,15 @@ def load_weights_report(net: nn.Cell, path: str, model_name: str, logger: Option
     basic_block = has_basic_blocks(model_name)
     arrays = {name: _array(value) for name, value in weights.items()}
     if match.fmt == ZOO:
+        # A BatchNorm with a smaller eps than the zoo's (a network of torch semantics) gets moving_variance raised
+        # by the difference, so that its inference matches; one of models_zoo semantics has the zoo's eps itself.
+        cells = dict(net.cells_and_names())
         for name, value in arrays.items():
             eps = zoo_bn_eps(name, basic_block)
-            if name.endswith(".moving_variance") and eps is not None and eps > BN_EPS:
-                arrays[name] = value + np.asarray(eps - BN_EPS, value.dtype)
+            cell = cells.get(name.rpartition(".")[0])
+            if name.endswith(".moving_variance") and eps is not None and isinstance(cell, nn.BatchNorm2d) and \
+                    eps > cell.eps:
+                arrays[name] = value + np.asarray(eps - cell.eps, value.dtype)
     not_loaded, _ = ms.load_param_into_net(
         net, {name: ms.Parameter(ms.Tensor(value, dtype=params[name].dtype), name=name)
               for name, value in arrays.items()}, strict_load=True)
@@ -201,7 +224,9 @@ def load_weights_report(net: nn.Cell, path: str, model_name: str, logger: Option
         raise RuntimeError(f"load_param_into_net left {not_loaded[:3]} unloaded from {path}")
 
     report = LoadReport(path=str(path), fmt=match.fmt, entries=entries, match=match, loaded=sorted(arrays),
-                        new_head=bool(skip), notes=known_differences(match.fmt, basic_block))
+                        new_head=bool(skip),
+                        notes=known_differences(match.fmt, basic_block,
+                                                getattr(net, "semantics", TORCH_SEMANTICS)))
     _log_report(report, renamed, params, logger)
     return report
 

@@ -20,7 +20,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Collection, Dict, Iterable, List, Mapping, Optional, Tuple
 
-from src.architectures import ARCHITECTURES, BOTTLENECK, stem_of_conv1
+from src.architectures import ARCHITECTURES, BOTTLENECK, MINDCV as MINDCV_SEMANTICS, MODELS_ZOO, TORCH as \
+    TORCH_SEMANTICS, stem_of_conv1
 
 # ------------------------------------------------------------------------------------ torch <-> MindSpore
 
@@ -62,6 +63,10 @@ FORMAT_TITLES = {
     ZOO: "MindSpore models-zoo ResNet checkpoint (official/cv/ResNet)",
     MINDCV: "mindcv ResNet checkpoint",
 }
+
+# The semantics (src/architectures.py SEMANTICS) of the network that writes each scheme: eval.py, export.py and
+# predict.py build that network, so that a checkpoint gives its home zoo's outputs.
+HOME_SEMANTICS = {OURS: TORCH_SEMANTICS, TORCH: TORCH_SEMANTICS, ZOO: MODELS_ZOO, MINDCV: MINDCV_SEMANTICS}
 
 # Name components that differ from ours, per scheme (a component is a dot-separated part of a name).
 _COMPONENT_RENAMES: Dict[str, Dict[str, str]] = {
@@ -228,8 +233,16 @@ def zoo_bn_eps(our_name: str, basic_block: bool) -> Optional[float]:
     return ZOO_BN_EPS
 
 
-def known_differences(fmt: str, basic_block: bool) -> List[str]:
-    """One line per way the source network computes differently from ours with the same weights."""
+def known_differences(fmt: str, basic_block: bool, semantics: str = TORCH_SEMANTICS) -> List[str]:
+    """One line per way the source network computes differently from a network of this semantics with the same
+    weights, or, when the network has the file's home semantics, one line saying so."""
+    if fmt in (ZOO, MINDCV) and semantics == HOME_SEMANTICS[fmt]:
+        what = {ZOO: "the models zoo's", MINDCV: "mindcv's"}[fmt]
+        how = ("its stem max pool pads 'same'" if fmt == MINDCV else
+               "its block BatchNorms use eps 1e-4" if basic_block else
+               "its stem conv, max pool and stride-2 3x3 convs pad 'same', its BatchNorms use eps 1e-4")
+        return [f"the network is built with {semantics} semantics ({how}): it computes what {what} network "
+                "computes with these weights"]
     if fmt == ZOO and basic_block:
         return ["the models zoo's ResNet-18/34 pads like this network (pad_mode 'pad', a zero pad + 'valid' max pool), "
                 "but its block BatchNorms (bn1d, bn2d) use eps 1e-4 where this network uses 1e-5: their "
@@ -241,13 +254,14 @@ def known_differences(fmt: str, basic_block: bool) -> List[str]:
                 "the models zoo's ResNet-50/101/152 pads with pad_mode 'same' (7x7 stem conv: 2 rows/columns "
                 "top-left and 3 bottom-right; stride-2 3x3 convs and the max pool: 0 top-left, 1 bottom-right at "
                 "even sizes) where this network pads symmetrically like torchvision: outputs DIFFER from the zoo "
-                "network's (features shift by a pixel), so accuracy without fine-tuning is lower than the zoo "
-                "reports; fine-tune these weights (--pretrained) rather than evaluate them as they are"]
+                "network's (features shift by a pixel) until fine-tuning adapts the weights (eval.py, export.py and "
+                "predict.py build the zoo's semantics instead and reproduce its outputs)"]
     if fmt == MINDCV:
         return ["mindcv's ResNet max pool uses pad_mode 'same' (0 top-left, 1 bottom-right at even sizes) where this "
                 "network pads 1 on every side like torchvision: outputs DIFFER from mindcv's network (features after "
-                "the stem shift by a pixel); convolutions and BatchNorm (eps 1e-5) are the same; fine-tune these "
-                "weights (--pretrained) rather than evaluate them as they are"]
+                "the stem shift by a pixel) until fine-tuning adapts the weights; convolutions and BatchNorm (eps "
+                "1e-5) are the same (eval.py, export.py and predict.py build mindcv's semantics instead and reproduce "
+                "its outputs)"]
     return []
 
 
