@@ -10,6 +10,14 @@ renamed into place; a file that fails its check is removed and the run stops wit
 of the form NAME-<hex>.EXT. A cached file is checked again before each use. Loading goes through
 src.weights.loading.load_weights_report; when the file's head does not fit class_num, fc keeps its fresh
 initialisation.
+
+Semantics: training always builds this project's network (torch semantics: symmetric padding, BatchNorm eps 1e-5),
+also from a models-zoo or mindcv checkpoint, whose home network pads some layers 'same' and (models zoo) uses eps
+1e-4. The weights are converted (a zoo checkpoint's moving variances take the eps difference) and the log says what
+still differs; fine-tuning adapts the weights to the one-pixel shift. Why not train in the home semantics: every
+checkpoint train.py writes then computes one way (eval.py, export.py and predict.py know it from the format alone,
+nothing extra to record), and training keeps the native blocked convolutions and fused evaluation at every layer
+(docs/checkpoints.md).
 """
 import difflib
 import logging
@@ -26,6 +34,7 @@ from src.download import download, shown_digest
 from src.errors import UserError
 from src.weights.files import file_sha256, is_torch_file, normalise_sha256, verify_sha256
 from src.weights.loading import LoadReport, load_weights_report
+from src.weights.names import FORMAT_TITLES, HOME_SEMANTICS
 
 REGISTRY_PATH = Path(__file__).resolve().parents[2] / "pretrained_weights.yaml"
 HASH_IN_FILE_NAME = re.compile(r"-([0-9a-f]{8,64})\.")  # torch.hub's convention, at least 8 hex digits
@@ -189,4 +198,20 @@ def load_pretrained(net, config: Any, logger: logging.Logger,
         return None
     path, still_to_check = resolve_pretrained(config.pretrained, config.model_name, config.pretrained_cache_dir,
                                               pin, logger, registry_path)
-    return load_weights_report(net, path, config.model_name, logger, sha256=still_to_check, allow_new_head=True)
+    report = load_weights_report(net, path, config.model_name, logger, sha256=still_to_check, allow_new_head=True)
+    log_training_semantics(report, getattr(net, "semantics", "torch"), logger)
+    return report
+
+
+def log_training_semantics(report: LoadReport, semantics: str, logger: logging.Logger) -> None:
+    """Says which semantics (src/architectures.py SEMANTICS) the run trains with, and that a foreign checkpoint's
+    home network computes otherwise."""
+    home = HOME_SEMANTICS[report.fmt]
+    if home == semantics:
+        logger.info("pretrained: training with %s semantics, those of %s's home network", semantics, report.path)
+        return
+    logger.info("pretrained: training with this project's %s semantics, not the %s semantics of %s (a %s): the "
+                "weights are converted, the network starts close to but not exactly at the home network's outputs "
+                "(see the notes above) and fine-tuning adapts them; the checkpoints this run writes are this "
+                "project's and compute with %s semantics", semantics, home, report.path, FORMAT_TITLES[report.fmt],
+                semantics)
