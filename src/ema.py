@@ -67,8 +67,3 @@ def ema_entries_as_weights(entries: Dict[str, object]) -> Dict[str, object]:
     if not averaged or not all(name in entries for name in averaged):
         return entries
     return {name: averaged.get(name, value) for name, value in entries.items() if not name.startswith(PREFIX)}
-
-
-def has_ema(entries: Dict[str, object]) -> bool:
-    """Whether a checkpoint's entries include EMA copies."""
-    return any(name.startswith(PREFIX) for name in entries)

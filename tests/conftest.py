@@ -8,6 +8,8 @@ import gc
 import multiprocessing
 import tempfile
 import os
+import signal
+import re
 import subprocess
 import sys
 import time
@@ -231,3 +233,19 @@ def wait_for_line(log_path: Path, text: str, process: subprocess.Popen, timeout:
         assert process.poll() is None, log_path.read_text()[-3000:]
         time.sleep(0.1)
     raise AssertionError(f"{text!r} not seen in {log_path}")
+
+
+def sigterm_training(args, log_path: Path, line: str) -> None:
+    """Starts train.py ARGS (output to log_path), sends SIGTERM once line is logged and checks it stopped with
+    128 + SIGTERM, having saved its resume point."""
+    process = start_training(args, log_path)
+    wait_for_line(log_path, line, process)
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=120) == 128 + signal.SIGTERM, log_path.read_text()[-3000:]
+
+
+def final_digest(log: str) -> str:
+    """The one 'final weights sha256' a single-process train.py run logs."""
+    found = re.findall(r"final weights sha256 ([0-9a-f]{64})", log)
+    assert len(found) == 1, log[-3000:]
+    return found[0]

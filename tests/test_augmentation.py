@@ -2,12 +2,11 @@
 (seed, epoch) and across a mid-epoch skip in real MindSpore pipelines, soft labels in the loss, and a SIGTERM'd
 train.py run with everything on that resumes to the uninterrupted run's weights."""
 import re
-import signal
 
 import numpy as np
 import pytest
 
-from conftest import FAST_ARGS, run_script, start_training, wait_for_line
+from conftest import FAST_ARGS, final_digest, run_script, sigterm_training
 from src.augmentation import ERASE_SCALE, Augmentation, BatchAugmenter, cutmix_box, erase_box
 from src.dataset import create_dataset
 
@@ -204,11 +203,6 @@ RECIPE = ["--model_name", "resnet18", "--batch_size", "8", "--train_num_samples"
           *FAST_ARGS]
 
 
-def final_digest(log: str) -> str:
-    found = re.findall(r"final weights sha256 ([0-9a-f]{64})", log)
-    assert len(found) == 1, log[-3000:]
-    return found[0]
-
 
 @pytest.mark.slow
 def test_sigterm_mid_epoch_then_resume_ends_with_the_uninterrupted_weights(cifar_dir, tmp_path):
@@ -220,10 +214,7 @@ def test_sigterm_mid_epoch_then_resume_ends_with_the_uninterrupted_weights(cifar
 
     out = tmp_path / "interrupted"
     log_path = tmp_path / "interrupted.log"
-    process = start_training(args + ["--output_path", str(out)], log_path)
-    wait_for_line(log_path, "epoch 1/2 step 5/12", process)
-    process.send_signal(signal.SIGTERM)
-    assert process.wait(timeout=120) == 128 + signal.SIGTERM
+    sigterm_training(args + ["--output_path", str(out)], log_path, "epoch 1/2 step 5/12")
     stopped = re.search(r"stopped by SIGTERM.* at epoch 1 step (\d+)", log_path.read_text())
     assert stopped and 5 <= int(stopped.group(1)) < 12, log_path.read_text()[-3000:]
     resumed = run_script("train.py", args + ["--output_path", str(out), "--resume",

@@ -9,8 +9,8 @@ from typing import Optional
 import numpy as np
 import pytest
 
-from conftest import (FAST_ARGS, assert_one_line_error, one_line_user_error, read_ckpt_entries, read_metrics,
-                      run_script, start_training, temp_files, wait_for_line)
+from conftest import (FAST_ARGS, assert_one_line_error, final_digest, one_line_user_error, read_ckpt_entries,
+                      read_metrics, run_script, sigterm_training, start_training, temp_files, wait_for_line)
 from src.errors import UserError
 from src.model_utils.config import load_config
 from src.onednn_conv import resolve_conv_implementation
@@ -21,11 +21,6 @@ RECIPE = ["--model_name", "resnet18", "--batch_size", "8", "--train_num_samples"
           "--epoch_size", "2", *FAST_ARGS]
 STEP_LINE = re.compile(r"epoch (\d+)/\d+ step (\d+)/\d+ loss")
 
-
-def final_digest(log: str) -> str:
-    found = re.findall(r"final weights sha256 ([0-9a-f]{64})", log)
-    assert len(found) == 1, log[-3000:]
-    return found[0]
 
 
 def logged_steps(log: str):
@@ -136,10 +131,7 @@ def test_a_sunk_run_stopped_by_a_signal_resumes_from_a_sink_boundary_to_the_same
     args = ["--data_path", str(cifar_dir), "--output_path", str(tmp_path), *RECIPE, "--dataset_sink_mode",
             "--sink_size", "4"]
     log_path = tmp_path / "run.log"
-    process = start_training(args, log_path)
-    wait_for_line(log_path, "epoch 1/2 step 4/12", process)
-    process.send_signal(signal.SIGTERM)
-    assert process.wait(timeout=120) == 128 + signal.SIGTERM
+    sigterm_training(args, log_path, "epoch 1/2 step 4/12")
     interrupted = tmp_path / "resnet18-interrupted.ckpt"
     entries = read_ckpt_entries(interrupted)
     assert int(entries["step_in_epoch"].asnumpy()) % 4 == 0  # stopped where a sink ended

@@ -2,15 +2,13 @@
 weights, its place in checkpoints, an exact resume, and eval/export/predict using it."""
 import json
 import re
-import signal
 
 import numpy as np
 import mindspore as ms
 import pytest
 from mindspore import nn
 
-from conftest import (FAST_ARGS, read_ckpt_entries, read_metrics, run_script, start_training, temp_files,
-                      wait_for_line)
+from conftest import FAST_ARGS, read_ckpt_entries, read_metrics, run_script, sigterm_training, temp_files
 from src.ema import PREFIX, WeightsEma, ema_entries_as_weights
 from src.model_utils.config import load_config
 from src.train_step import AmpSetting, build_train_step
@@ -109,10 +107,7 @@ def test_a_run_with_ema_stopped_mid_epoch_resumes_to_the_same_ema(ema_run, cifar
     straight, _ = ema_run
     args = ["--data_path", str(cifar_dir), "--output_path", str(tmp_path), *RECIPE]
     log_path = tmp_path / "run.log"
-    process = start_training(args, log_path)
-    wait_for_line(log_path, "epoch 1/2 step 5/12", process)
-    process.send_signal(signal.SIGTERM)
-    assert process.wait(timeout=120) == 128 + signal.SIGTERM
+    sigterm_training(args, log_path, "epoch 1/2 step 5/12")
     interrupted = tmp_path / "resnet18-interrupted.ckpt"
     assert any(name.startswith(PREFIX) for name in read_ckpt_entries(interrupted)) and temp_files(tmp_path) == []
     resumed = run_script("train.py", args + ["--resume", str(interrupted)])

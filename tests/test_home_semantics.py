@@ -89,15 +89,20 @@ def test_each_format_has_its_home_semantics():
 # ------------------------------------------------------------------------------------------------ mindcv
 
 
-@pytest.fixture(scope="module")
-def mindcv_resnet50(tmp_path_factory):
-    """mindcv's own resnet50 (random init, BatchNorm statistics randomised) saved with ms.save_checkpoint."""
+def saved_mindcv_network(tmp_path_factory, depth: int, seed: int):
+    """(checkpoint path, network): mindcv's own resnet{depth} (random init, BatchNorm statistics randomised) saved
+    with ms.save_checkpoint."""
     mindcv_models = pytest.importorskip("mindcv.models")
-    net = mindcv_models.resnet50(num_classes=10)
-    randomise(net, seed=21)
-    path = tmp_path_factory.mktemp("mindcv") / "mindcv-resnet50.ckpt"
+    net = getattr(mindcv_models, f"resnet{depth}")(num_classes=10)
+    randomise(net, seed=seed)
+    path = tmp_path_factory.mktemp(f"mindcv{depth}") / f"mindcv-resnet{depth}.ckpt"
     ms.save_checkpoint(net, str(path))
     return path, net
+
+
+@pytest.fixture(scope="module")
+def mindcv_resnet50(tmp_path_factory):
+    return saved_mindcv_network(tmp_path_factory, 50, seed=21)
 
 
 @pytest.mark.slow
@@ -225,12 +230,7 @@ def test_fine_tuning_trains_with_the_projects_semantics_and_says_so(zoo_checkpoi
 
 @pytest.fixture(scope="module")
 def mindcv_resnet18(tmp_path_factory):
-    mindcv_models = pytest.importorskip("mindcv.models")
-    net = mindcv_models.resnet18(num_classes=10)
-    randomise(net, seed=22)
-    path = tmp_path_factory.mktemp("mindcv18") / "mindcv-resnet18.ckpt"
-    ms.save_checkpoint(net, str(path))
-    return path, net
+    return saved_mindcv_network(tmp_path_factory, 18, seed=22)
 
 
 SCRIPT_ARGS = ["--model_name", "resnet18", "--class_num", "10", "--image_height", "64", "--image_width", "64"]

@@ -10,7 +10,7 @@ import mindspore as ms
 from mindspore import nn
 
 from src.architectures import TORCH as TORCH_SEMANTICS, has_basic_blocks
-from src.ema import ema_entries_as_weights, has_ema
+from src.ema import ema_entries_as_weights
 from src.errors import UserError
 from src.weights.files import check_file_given, is_torch_file, load_torch_state_dict, read_checkpoint, verify_sha256
 from src.weights.names import (FORMAT_TITLES, HOME_SEMANTICS, OURS, TORCH, ZOO, NameMatch, conv1_weight,
@@ -187,8 +187,8 @@ def load_weights_report(net: nn.Cell, path: str, model_name: str, logger: Option
     """
     logger = logger or logging.getLogger(DEFAULT_LOGGER)
     entries, fmt = read if read is not None else read_weight_file(path, sha256)
-    if use_ema and fmt is None and has_ema(entries):
-        with_ema = ema_entries_as_weights(entries)
+    if use_ema and fmt is None:
+        with_ema = ema_entries_as_weights(entries)  # entries itself when the file has no EMA of its weights
         if with_ema is not entries:
             logger.info("weights: %s holds an EMA of its weights: using it (--use_ema false for the raw weights)",
                         path)
