@@ -4,7 +4,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from src.cifar_download import download_cifar10
-from src.dataset import TEST_FILE, TRAIN_FILES, cifar_files, is_synthetic
+from src.dataset import TEST_FILE, TRAIN_FILES, cifar_files, is_synthetic, not_cifar10_label
 from src.errors import UserError
 from src.synthetic_data import write_synthetic_cifar
 
@@ -13,11 +13,21 @@ from src.synthetic_data import write_synthetic_cifar
 class DataSource:
     train_path: str
     eval_path: str
-    synthetic: bool
+    label: str  # "" for CIFAR-10, else how outputs name the data (src.dataset.not_cifar10_label)
+
+    @property
+    def synthetic(self) -> bool:
+        return self.label == "SYNTHETIC data"
+
+    @property
+    def tag(self) -> str:
+        """Appended to result lines: empty for CIFAR-10."""
+        return f" [{self.label}, not CIFAR-10]" if self.label else ""
 
     def describe(self) -> str:
-        kind = "SYNTHETIC data (generated coloured squares, not CIFAR-10)" if self.synthetic else "CIFAR-10"
-        return f"{kind}: train {self.train_path}, eval {self.eval_path}"
+        kinds = {"": "CIFAR-10", "SYNTHETIC data": "SYNTHETIC data (generated coloured squares, not CIFAR-10)",
+                 "DIGITS proxy data": "DIGITS proxy data (scikit-learn's handwritten digits, not CIFAR-10)"}
+        return f"{kinds[self.label]}: train {self.train_path}, eval {self.eval_path}"
 
 
 def _has_any(folder: str, names) -> bool:
@@ -46,5 +56,5 @@ def prepare_data(config, logger: logging.Logger, training: bool = True) -> DataS
     if config.synthetic_data and not is_synthetic(data_path):
         raise UserError(f"synthetic_data is true but {data_path} holds other data; point data_path at an empty or "
                         "synthetic folder, or set synthetic_data false")
-    synthetic = is_synthetic(data_path) or is_synthetic(eval_path)
-    return DataSource(train_path=data_path, eval_path=eval_path, synthetic=synthetic)
+    label = not_cifar10_label(eval_path) or not_cifar10_label(data_path) if training else not_cifar10_label(eval_path)
+    return DataSource(train_path=data_path, eval_path=eval_path, label=label)

@@ -23,6 +23,7 @@ RECORD_BYTES = 1 + 32 * 32 * 3  # label byte, then the R, G and B planes
 RECORDS_PER_FILE = 10000  # MindSpore's reader refuses any other count
 FILE_BYTES = RECORD_BYTES * RECORDS_PER_FILE
 SYNTHETIC_MARKER = "SYNTHETIC_DATA.txt"
+DIGITS_MARKER = "DIGITS_PROXY.txt"
 
 CIFAR10_CLASSES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
 CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
@@ -56,6 +57,15 @@ def cifar_files(folder: str, training: bool) -> List[Path]:
 def is_synthetic(folder: str) -> bool:
     """True for a folder written by src.synthetic_data (it carries a marker file)."""
     return (Path(folder) / SYNTHETIC_MARKER).is_file()
+
+
+def not_cifar10_label(folder: str) -> str:
+    """How outputs label a CIFAR-format folder that is not CIFAR-10 (from its marker file); "" for CIFAR-10."""
+    if is_synthetic(folder):
+        return "SYNTHETIC data"
+    if (Path(folder) / DIGITS_MARKER).is_file():
+        return "DIGITS proxy data"
+    return ""
 
 
 def shard_indices(total: int, training: bool, rank_size: int = 1, rank_id: int = 0, num_samples: int = 0,

@@ -132,6 +132,7 @@ def run_evaluation(config, env, logger: logging.Logger) -> Dict:
         "checkpoint": str(config.checkpoint_path), "model_name": config.model_name, "stem": config.stem,
         "semantics": semantics,
         "class_num": config.class_num, "data_path": data.eval_path, "synthetic_data": data.synthetic,
+        "dataset": data.label or "CIFAR-10",
         "image_size": [config.image_height, config.image_width],
         "per_class_accuracy": result.per_class_accuracy(names),
         "confusion_matrix": result.confusion.tolist(),
@@ -144,6 +145,6 @@ def run_evaluation(config, env, logger: logging.Logger) -> Dict:
             png = plot_confusion_matrix(result.confusion, names, str(output / "confusion_matrix.png"))
             logger.info("wrote %s", png)
         logger.info("top-1 %.4f top-5 %.4f loss %.4f on %d images%s; wrote %s", result.top1, result.top5, result.loss,
-                    result.num_samples, " [SYNTHETIC data, not CIFAR-10]" if data.synthetic else "",
+                    result.num_samples, data.tag,
                     output / "eval_result.json")
     return values

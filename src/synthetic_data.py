@@ -7,10 +7,11 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Dict
 
 import numpy as np
 
-from src.dataset import RECORDS_PER_FILE, SYNTHETIC_MARKER, TEST_FILE, TRAIN_FILES
+from src.dataset import RECORD_BYTES, RECORDS_PER_FILE, SYNTHETIC_MARKER, TEST_FILE, TRAIN_FILES
 
 # One RGB colour per class, far apart from each other.
 PALETTE = np.array([[230, 25, 75], [60, 180, 75], [255, 225, 25], [0, 130, 200], [245, 130, 48],
@@ -37,29 +38,42 @@ def synthetic_records(count: int, rng: np.random.Generator) -> np.ndarray:
     return records
 
 
+def write_cifar_folder(folder: str, records_by_file: Dict[str, np.ndarray], marker: str, marker_text: str) -> Path:
+    """Writes CIFAR binary files (name -> (10,000, 3073) uint8 records) and a marker file into folder, atomically.
+
+    The files go into a private .staging-* folder next to folder (same file system), which gets folder's name in
+    one rename; a rename refuses a non-empty target folder, so ranks writing the data at once keep the first
+    complete one (src.atomic_file is for single files).
+    """
+    target = Path(folder)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=target.parent))
+    staging.chmod(0o755)  # mkdtemp makes it private; the data folder is meant to be shared
+    try:
+        for name, records in records_by_file.items():
+            if records.shape != (RECORDS_PER_FILE, RECORD_BYTES) or records.dtype != np.uint8:
+                raise ValueError(f"{name}: records must be uint8 {(RECORDS_PER_FILE, RECORD_BYTES)}, "
+                                 f"got {records.dtype} {records.shape}")
+            records.tofile(staging / name)
+        (staging / marker).write_text(marker_text, encoding="utf-8")
+        try:
+            os.rename(staging, target)  # atomic; fails if another process got there first
+        except OSError:
+            if not (target / marker).is_file():
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
 def write_synthetic_cifar(folder: str, seed: int = 0) -> Path:
     """Writes data_batch_1..5.bin, test_batch.bin and a marker file into folder (created atomically).
 
     Files are full size (10,000 records each), as MindSpore's Cifar10Dataset requires.
     """
-    target = Path(folder)
-    target.parent.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
-    # A folder, not a file, so src.atomic_file does not fit: the files go into a private .synthetic-* folder next
-    # to target (same file system), which gets target's name in one rename; a rename refuses a non-empty target
-    # folder, so ranks generating the data at once keep the first complete one.
-    staging = Path(tempfile.mkdtemp(prefix=".synthetic-", dir=target.parent))
-    try:
-        for name in TRAIN_FILES + (TEST_FILE,):
-            synthetic_records(RECORDS_PER_FILE, rng).tofile(staging / name)
-        (staging / SYNTHETIC_MARKER).write_text(
-            "Synthetic data written by src/synthetic_data.py: coloured squares on noise in CIFAR-10's binary\n"
-            "format. Not CIFAR-10: accuracy on it says nothing about CIFAR-10.\n", encoding="utf-8")
-        try:
-            os.rename(staging, target)  # atomic; fails if another process got there first
-        except OSError:
-            if not (target / SYNTHETIC_MARKER).is_file():
-                raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return target
+    records = {name: synthetic_records(RECORDS_PER_FILE, rng) for name in TRAIN_FILES + (TEST_FILE,)}
+    return write_cifar_folder(
+        folder, records, SYNTHETIC_MARKER,
+        "Synthetic data written by src/synthetic_data.py: coloured squares on noise in CIFAR-10's binary\n"
+        "format. Not CIFAR-10: accuracy on it says nothing about CIFAR-10.\n")

@@ -320,7 +320,7 @@ class Trainer:
         result = evaluate(net, self.eval_dataset, self.config.class_num, self.env.group_size)
         self.logger.info("epoch %d eval%s: top-1 %.4f top-5 %.4f loss %.4f on %d images (%.1f s)%s",
                          self.state.epoch_num, label, result.top1, result.top5, result.loss, result.num_samples,
-                         time.perf_counter() - started, " [SYNTHETIC data]" if self.data.synthetic else "")
+                         time.perf_counter() - started, self.data.tag)
         return result
 
     def _record_epoch(self, train_loss: Optional[float], skipped: int, seconds: float, images: int,
