@@ -1,14 +1,17 @@
-"""Training and inference throughput of this project's ResNet (MindSpore) next to torchvision's (PyTorch),
-with MindSpore's achieved FLOP rate as a share of the machine's fp32 matrix-product (GEMM) rate.
+"""Training and inference throughput of this project's ResNet (MindSpore) next to torchvision's (PyTorch), and for
+inference next to onnxruntime running this project's ONNX export, with MindSpore's achieved FLOP rate as a share of
+the machine's fp32 matrix-product (GEMM) rate.
 
-python benchmark.py [--sizes 32,224] [--modes train,eval] [--batch_size 32] [--repeats 3] [--rounds 1]
+python benchmark.py [--sizes 32,224] [--modes train,eval] [--frameworks mindspore,torch,onnxruntime]
+                    [--batch_size 32] [--repeats 3] [--rounds 1]
                     [--gemm_size 3072] [--conv_implementation auto|onednn_blocked|mindspore]
                     [--inference_network fused|fused-blocked|fused-nhwc|resnet] [--recipes O0,O2,O3,O0-sink]
                     [--output FILE]
 
 Each (framework, mode, input size, training recipe) runs in its own process: warmup steps (compilation included) are not
 timed, then --repeats timings of --steps steps; the table reports the median, pooled over --rounds rounds that
-alternate the frameworks. MindSpore runs as train.py does, with conv_implementation resolved on CPU. The GEMM rate is timed the same
+alternate the frameworks. onnxruntime (inference only, --threads intra-op threads) runs the file export.py writes
+for a seeded network of the same shape, exported once per input size before the rounds. MindSpore runs as train.py does, with conv_implementation resolved on CPU. The GEMM rate is timed the same
 way (one n x n product per timing, one process per backend: MindSpore ops.matmul with the oneDNN setting its
 model workers use, numpy, and torch.mm when torch is installed) before and after the model measurements; the
 fastest backend's median is the reference. FLOPs per image are counted from the network (see
@@ -22,20 +25,22 @@ import json
 import os
 import platform
 import sys
+import tempfile
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Callable, Dict, List
 
 from src.architectures import MODEL_NAMES as ARCHITECTURES  # not src.resnet's: it would load MindSpore
 from src.atomic_file import write_text_atomic
-from src.benchmark import (GEMM_BACKENDS, Measurement, check_recipe, flops_per_image, forward_macs,
-                           forward_macs_in_subprocess,
+from src.benchmark import (GEMM_BACKENDS, Measurement, check_recipe, export_onnx_here, export_onnx_in_subprocess,
+                           flops_per_image, forward_macs, forward_macs_in_subprocess,
                            measure_gemm_here, measure_gemm_in_subprocess, measure_here, measure_in_subprocess, table,
                            to_json)
 from src.errors import OneLineArgumentParser, UserError, run_cli
 from src.model_utils.config import CHOICES
 
-WORKERS = ("mindspore", "torch", "macs") + tuple(f"gemm-{backend}" for backend in GEMM_BACKENDS)
+FRAMEWORKS = ("mindspore", "torch", "onnxruntime")
+WORKERS = FRAMEWORKS + ("macs", "onnx-export") + tuple(f"gemm-{backend}" for backend in GEMM_BACKENDS)
 
 
 def _int_at_least(minimum: int) -> Callable[[str], int]:
@@ -80,8 +85,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = OneLineArgumentParser(prog="benchmark.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", type=_sizes, default="32,224", help="input sizes, comma separated")
     parser.add_argument("--modes", type=_names("train", "eval"), default="train,eval", help="train, eval or both")
-    parser.add_argument("--frameworks", type=_names("mindspore", "torch"), default="mindspore,torch",
-                        help="mindspore, torch or both")
+    parser.add_argument("--frameworks", type=_names(*FRAMEWORKS), default=",".join(FRAMEWORKS),
+                        help="any of mindspore, torch, onnxruntime (inference only), comma separated")
     parser.add_argument("--model_name", choices=ARCHITECTURES, default="resnet50")
     parser.add_argument("--batch_size", type=_int_at_least(1), default=32)
     parser.add_argument("--threads", type=_int_at_least(1), default=os.cpu_count() or 1)
@@ -106,6 +111,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "the first is compared with PyTorch, all of them with the first")
     parser.add_argument("--output", default="benchmark.json")
     parser.add_argument("--worker", choices=WORKERS, help=argparse.SUPPRESS)
+    parser.add_argument("--onnx_path", default="", help=argparse.SUPPRESS)  # the onnxruntime workers' file
     return parser.parse_args(argv)
 
 
@@ -115,12 +121,43 @@ def run_worker(args: argparse.Namespace) -> object:
         from src.model_utils.config import load_config
         classes = load_config([], prog="benchmark.py").class_num
         return {str(size): forward_macs(args.model_name, size, classes) for size in args.sizes}
+    if args.worker == "onnx-export":
+        return export_onnx_here(args.model_name, args.sizes[0], args.batch_size, args.onnx_path)
     if args.worker.startswith("gemm-"):
         return asdict(measure_gemm_here(args.worker[len("gemm-"):], args.gemm_size, args.threads, args.warmup,
                                         args.repeats, args.conv_implementation))
     return asdict(measure_here(args.worker, args.modes[0], args.model_name, args.sizes[0], args.batch_size,
                                args.threads, args.warmup, args.repeats, args.steps or 1, args.conv_implementation,
-                               args.inference_network, args.recipes[0]))
+                               args.inference_network, args.recipes[0], args.onnx_path))
+
+
+def measure_models(args: argparse.Namespace, frameworks: List[str], macs: Dict[int, int],
+                   onnx_files: Dict[int, str]) -> List[Measurement]:
+    """Every (framework, mode, size, recipe) measurement, each in its own worker process, over --rounds rounds.
+
+    Several rounds alternate the frameworks over the whole run, so a slow phase of the machine hits each; each
+    (framework, mode, size, recipe) pools its timings over the rounds. onnxruntime measures inference only."""
+    measurements: Dict[tuple, Measurement] = {}
+    for round_number in range(1, args.rounds + 1):
+        for size in args.sizes:
+            for mode in args.modes:
+                runs = [(framework, recipe) for framework in frameworks if mode == "eval" or framework != "onnxruntime"
+                        for recipe in (args.recipes if framework == "mindspore" and mode == "train" else [""])]
+                for framework, recipe in runs:
+                    steps = args.steps or (5 if size <= 64 else 1)
+                    what = f"{framework} {recipe}".strip()
+                    print(f"measuring {what} {mode} {size}x{size} (round {round_number} of {args.rounds}) ...",
+                          file=sys.stderr, flush=True)
+                    measurement = measure_in_subprocess(
+                        framework, mode, args.model_name, size, args.batch_size, args.threads, args.warmup,
+                        args.repeats, steps, args.conv_implementation, args.inference_network, recipe or "O0",
+                        onnx_files.get(size, "") if framework == "onnxruntime" else "")
+                    key = (framework, mode, size, recipe)
+                    if key in measurements:
+                        measurement = replace(measurement, seconds_per_step=measurements[key].seconds_per_step +
+                                              measurement.seconds_per_step)
+                    measurements[key] = replace(measurement, flops_per_image=flops_per_image(macs[size], mode))
+    return list(measurements.values())
 
 
 def main() -> int:
@@ -136,6 +173,11 @@ def main() -> int:
     if "torch" in frameworks and (torch_version is None or _import_version("torchvision") is None):
         print("PyTorch/torchvision not usable: measuring MindSpore only", file=sys.stderr)
         frameworks = [f for f in frameworks if f != "torch"]
+    onnxruntime_version = _import_version("onnxruntime")
+    if "onnxruntime" in frameworks and (onnxruntime_version is None or "eval" not in args.modes):
+        if "eval" in args.modes:
+            print("onnxruntime not usable: measuring inference without it", file=sys.stderr)
+        frameworks = [f for f in frameworks if f != "onnxruntime"]
     gemm_backends = [b for b in GEMM_BACKENDS if b != "torch" or torch_version is not None]
 
     def measure_gemms(phase: str) -> list:
@@ -148,32 +190,17 @@ def main() -> int:
 
     print(f"counting {args.model_name} FLOPs ...", file=sys.stderr, flush=True)
     macs = forward_macs_in_subprocess(args.model_name, args.sizes, args.threads)
-    # GEMM both before and after the models: the machine has slow phases, and the two rounds show drift across
-    # the run; the reference pools both rounds' timings, so one phase doesn't decide it.
-    gemms = measure_gemms("before")
-    measurements: Dict[tuple, Measurement] = {}
-    # Several rounds alternate the frameworks over the whole run, so a slow phase of the machine hits both;
-    # each (framework, mode, size) pools its timings over the rounds.
-    for round_number in range(1, args.rounds + 1):
-        for size in args.sizes:
-            for mode in args.modes:
-                runs = [(framework, recipe) for framework in frameworks
-                        for recipe in (args.recipes if framework == "mindspore" and mode == "train" else [""])]
-                for framework, recipe in runs:
-                    steps = args.steps or (5 if size <= 64 else 1)
-                    what = f"{framework} {recipe}".strip()
-                    print(f"measuring {what} {mode} {size}x{size} (round {round_number} of {args.rounds}) ...",
-                          file=sys.stderr, flush=True)
-                    measurement = measure_in_subprocess(framework, mode, args.model_name, size, args.batch_size,
-                                                        args.threads, args.warmup, args.repeats, steps,
-                                                        args.conv_implementation, args.inference_network,
-                                                        recipe or "O0")
-                    key = (framework, mode, size, recipe)
-                    if key in measurements:
-                        measurement = replace(measurement, seconds_per_step=measurements[key].seconds_per_step +
-                                              measurement.seconds_per_step)
-                    measurements[key] = replace(measurement, flops_per_image=flops_per_image(macs[size], mode))
-    measurements = list(measurements.values())
+    with tempfile.TemporaryDirectory(prefix="benchmark-onnx-") as onnx_folder:
+        onnx_files = {}
+        if "onnxruntime" in frameworks:
+            for size in args.sizes:
+                print(f"exporting ONNX {size}x{size} for onnxruntime ...", file=sys.stderr, flush=True)
+                onnx_files[size] = export_onnx_in_subprocess(args.model_name, size, args.batch_size,
+                                                             str(Path(onnx_folder) / f"{size}.onnx"), args.threads)
+        # GEMM both before and after the models: the machine has slow phases, and the two rounds show drift across
+        # the run; the reference pools both rounds' timings, so one phase doesn't decide it.
+        gemms = measure_gemms("before")
+        measurements = measure_models(args, frameworks, macs, onnx_files)
     gemms += measure_gemms("after")
     environment = {"date": datetime.date.today().isoformat(), "machine": platform.machine(),
                    "processor": _cpu_name(), "cores": str(os.cpu_count()), "python": platform.python_version(),
@@ -187,6 +214,8 @@ def main() -> int:
         environment["mindspore_inference"] = ", ".join(sorted(inference))
     if torch_version:
         environment["torch"] = torch_version
+    if "onnxruntime" in frameworks:
+        environment["onnxruntime"] = onnxruntime_version
     print(" ".join(f"{k}={v}" for k, v in environment.items()))
     print(table(measurements, gemms, args.model_name))
     write_text_atomic(output, json.dumps(to_json(measurements, environment, gemms, macs), indent=2) + "\n")

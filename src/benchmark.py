@@ -177,17 +177,55 @@ def torch_step(mode: str, model_name: str, image_size: int, batch_size: int) -> 
     return step
 
 
+def export_onnx_here(model_name: str, image_size: int, batch_size: int, path: str) -> str:
+    """Writes this project's ONNX export (export.py's export_network) of a seeded network to path."""
+    import mindspore as ms
+    from src.exporting import export_network
+    from src.model_utils.config import load_config
+    from src.resnet import build_resnet
+
+    ms.set_seed(1)
+    ms.set_context(mode=ms.GRAPH_MODE)
+    net = build_resnet(model_name, load_config([], prog="benchmark.py").class_num)
+    export_network(net, Path(path), "ONNX", batch_size, (image_size, image_size))
+    return path
+
+
+def export_onnx_in_subprocess(model_name: str, image_size: int, batch_size: int, path: str, threads: int) -> str:
+    args = ["--worker", "onnx-export", "--model_name", model_name, "--sizes", str(image_size),
+            "--batch_size", str(batch_size), "--onnx_path", path]
+    return _run_worker(args, threads, f"ONNX export {image_size}x{image_size}")
+
+
+def onnxruntime_step(onnx_path: str, image_size: int, batch_size: int, threads: int) -> Callable[[], None]:
+    """One forward pass of the exported ONNX file in onnxruntime's CPU provider with `threads` intra-op threads
+    (its default graph optimisations, one inter-op thread: the model is one chain)."""
+    import onnxruntime
+
+    options = onnxruntime.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.inter_op_num_threads = 1
+    session = onnxruntime.InferenceSession(onnx_path, options, providers=["CPUExecutionProvider"])
+    name = session.get_inputs()[0].name
+    images = np.random.default_rng(0).standard_normal((batch_size, 3, image_size, image_size)).astype(np.float32)
+    return lambda: session.run(None, {name: images})
+
+
 def measure_here(framework: str, mode: str, model_name: str, image_size: int, batch_size: int, threads: int,
                  warmup: int, repeats: int, steps: int, conv_implementation: str = "auto",
-                 inference_network: str = "fused", recipe: str = "O0") -> Measurement:
+                 inference_network: str = "fused", recipe: str = "O0", onnx_path: str = "") -> Measurement:
     """Runs one measurement in this process; MindSpore's convolutions as conv_implementation resolves on CPU for the
-    recipe's amp_level (training)."""
+    recipe's amp_level (training); onnxruntime (inference only) runs the file at onnx_path."""
     implementation = isa = ran_network = ""
     finish = None
     if framework == "torch":
         import torch
         torch.set_num_threads(threads)
         run_step = torch_step(mode, model_name, image_size, batch_size)
+    elif framework == "onnxruntime":
+        if mode != "eval" or not onnx_path:
+            raise ValueError("onnxruntime measures inference only, of an exported file (onnx_path)")
+        run_step = onnxruntime_step(onnx_path, image_size, batch_size, threads)
     else:
         from src.utils import choose_convolutions  # as train.py's init_env does
         level = check_recipe(recipe).split("-")[0] if mode == "train" else "O0"
@@ -203,11 +241,11 @@ def measure_here(framework: str, mode: str, model_name: str, image_size: int, ba
 
 def measure_in_subprocess(framework: str, mode: str, model_name: str, image_size: int, batch_size: int, threads: int,
                           warmup: int, repeats: int, steps: int, conv_implementation: str = "auto",
-                          inference_network: str = "fused", recipe: str = "O0") -> Measurement:
+                          inference_network: str = "fused", recipe: str = "O0", onnx_path: str = "") -> Measurement:
     args = ["--worker", framework, "--modes", mode, "--model_name", model_name, "--sizes", str(image_size),
             "--batch_size", str(batch_size), "--warmup", str(warmup), "--repeats", str(repeats), "--steps", str(steps),
             "--conv_implementation", conv_implementation, "--inference_network", inference_network,
-            "--recipes", recipe]
+            "--recipes", recipe, "--onnx_path", onnx_path]
     return Measurement(**_run_worker(args, threads, f"{framework} {mode} {image_size} {recipe}"))
 
 
@@ -319,23 +357,26 @@ def table(measurements: Sequence[Measurement], gemms: Sequence[GemmMeasurement] 
 
     rates = gemm_rates(gemms) if gemms else {}
     reference = max(rates.values(), default=None)
+    def ratio(found: Dict[str, Measurement], framework: str) -> str:
+        if "mindspore" in found and framework in found:
+            return f"{found['mindspore'].images_per_second / found[framework].images_per_second:.2f}x"
+        return "-"
+
     header = ("| mode | input | batch | threads | MindSpore img/s | PyTorch img/s | MindSpore / PyTorch "
-              "| GFLOP/image | MindSpore GFLOP/s | MindSpore % of GEMM |")
-    rows = [header, "|---|---|---|---|---|---|---|---|---|---|"]
+              "| GFLOP/image | MindSpore GFLOP/s | MindSpore % of GEMM | onnxruntime img/s | MindSpore / onnxruntime |")
+    rows = [header, "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     recipes = list(dict.fromkeys(m.recipe for m in measurements if m.recipe))
     main = [m for m in measurements if m.recipe in ("", *recipes[:1])]  # the first recipe's training, vs PyTorch
     keys = sorted({(m.mode, m.image_size) for m in main}, key=lambda k: (k[0] != "train", k[1]))
     for mode, size in keys:
         found = {m.framework: m for m in main if (m.mode, m.image_size) == (mode, size)}
-        ratio = "-"
-        if "mindspore" in found and "torch" in found:
-            ratio = f"{found['mindspore'].images_per_second / found['torch'].images_per_second:.2f}x"
         first = next(iter(found.values()))
         ours = found["mindspore"].gflops_per_second if "mindspore" in found else None
         per_image = None if first.flops_per_image is None else first.flops_per_image / 1e9
         rows.append(f"| {mode} | {size}x{size} | {first.batch_size} | {first.threads} | {rate(found, 'mindspore')} | "
-                    f"{rate(found, 'torch')} | {ratio} | {number(per_image, 3)} | {number(ours, 1)} | "
-                    f"{number(_percent_of(ours, reference), 1)} |")
+                    f"{rate(found, 'torch')} | {ratio(found, 'torch')} | {number(per_image, 3)} | {number(ours, 1)} | "
+                    f"{number(_percent_of(ours, reference), 1)} | {rate(found, 'onnxruntime')} | "
+                    f"{ratio(found, 'onnxruntime')} |")
     rows += ["", f"GFLOP/image of {model_name}: {FLOP_CONVENTION}."]
     if len(recipes) > 1:
         rows += ["", recipe_table(measurements, recipes)]

@@ -115,8 +115,13 @@ def test_end_to_end_run_writes_flop_rates_and_gemm_rates(tmp_path):
         [(b, "before") for b in backends] + [(b, "after") for b in backends])
     assert all(g["gflops_per_second"] > 0 and g["n"] == 256 for g in gemm["measurements"])
     assert gemm["reference_gflops_per_second"] == max(gemm["gflops_per_second_by_backend"].values())
-    frameworks = ["mindspore"] + (["torch"] if TORCH_USABLE else [])
+    frameworks = ["mindspore"] + (["torch"] if TORCH_USABLE else []) + ["onnxruntime"]
     assert [m["framework"] for m in result["measurements"]] == frameworks
+    # onnxruntime ran this project's ONNX export (export.py's code), with the same threads: a third column.
+    onnx = result["measurements"][-1]
+    assert onnx["threads"] == ours_threads(result) and result["environment"]["onnxruntime"]
+    ratio = result["measurements"][0]["images_per_second"] / onnx["images_per_second"]
+    assert f"| {onnx['images_per_second']:.1f} | {ratio:.2f}x |" in process.stdout
     # The project's defaults, as train.py applies them: blocked-layout convolutions, oneDNN uncapped.
     ours = result["measurements"][0]
     assert (ours["conv_implementation"], ours["onednn_max_cpu_isa"]) == ("onednn_blocked", "all")
@@ -133,11 +138,26 @@ def test_end_to_end_run_writes_flop_rates_and_gemm_rates(tmp_path):
     assert f"| {ours['gflops_per_second']:.1f} | {ours['percent_of_gemm']:.1f} |" in process.stdout
 
 
+def ours_threads(result: dict) -> int:
+    return result["measurements"][0]["threads"]
+
+
+def test_onnxruntime_column_compares_inference_only():
+    ours = Measurement("mindspore", "eval", 32, 10, 2, [1.0])
+    ort = Measurement("onnxruntime", "eval", 32, 10, 2, [0.5])
+    train = Measurement("mindspore", "train", 32, 10, 2, [2.0], recipe="O0")
+    text = table([train, ours, ort])
+    assert "| onnxruntime img/s | MindSpore / onnxruntime |" in text
+    assert "| eval | 32x32 | 10 | 2 | 10.0 | - | - | - | - | - | 20.0 | 0.50x |" in text
+    assert "| train | 32x32 | 10 | 2 | 5.0 | - | - | - | - | - | - | - |" in text
+
+
 @pytest.mark.parametrize("args, option", [(["--sizes", "abc"], "--sizes"), (["--sizes", "32,16"], "--sizes"),
                                           (["--batch_size", "0"], "--batch_size"), (["--modes", "fit"], "--modes"),
                                           (["--gemm_size", "x"], "--gemm_size"),
                                           (["--inference_network", "onnx"], "--inference_network"),
-                                          (["--recipes", "O0,O4"], "--recipes"), (["--recipes", "sink"], "--recipes")])
+                                          (["--recipes", "O0,O4"], "--recipes"),
+                                          (["--frameworks", "tensorflow"], "--frameworks"), (["--recipes", "sink"], "--recipes")])
 def test_bad_input_is_one_error_line(args, option):
     assert_one_line_error(run_script("benchmark.py", args, timeout=60), option)
 
