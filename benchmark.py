@@ -107,7 +107,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "evaluation picks it, or forced), or the ResNet cell itself")
     parser.add_argument("--recipes", type=_recipes, default="O0",
                         help="MindSpore training recipes, comma separated: amp_level O0-O3, with -sink for the loss "
-                             "read once per timing of --steps steps as with dataset_sink_mode (e.g. O0,O2,O3,O0-sink); "
+                             "read once per timing of --steps steps as with dataset_sink_mode, then -plain for the "
+                             "activations reordered to the plain layout around every native convolution "
+                             "(e.g. O0,O2,O3,O0-sink,O0-plain); "
                              "the first is compared with PyTorch, all of them with the first")
     parser.add_argument("--output", default="benchmark.json")
     parser.add_argument("--worker", choices=WORKERS, help=argparse.SUPPRESS)

@@ -220,20 +220,23 @@ class Runtime {
     return runtime;
   }
 
-  // Convolution, then BatchNorm on the batch's statistics (training). x, weights and y plain; conv_out (the
-  // convolution's output, kept for the gradient) in channel blocks; mean and (biased) variance per channel.
-  void ConvBnForward(const Shape &shape, float eps, void *x, void *weights, void *gamma, void *beta, void *y,
-                     void *conv_out, void *mean, void *variance) {
+  // Convolution, then BatchNorm on the batch's statistics (training). weights plain; x and y plain or, with
+  // x_blocked / y_blocked, in channel blocks (a block-through training step keeps its activations there, and
+  // MindSpore's ReLU and addition work on them element by element); conv_out (the convolution's output, kept for
+  // the gradient) in channel blocks; mean and (biased) variance per channel.
+  void ConvBnForward(const Shape &shape, float eps, bool x_blocked, bool y_blocked, void *x, void *weights,
+                     void *gamma, void *beta, void *y, void *conv_out, void *mean, void *variance) {
     auto lock = executor_.Begin();
     const Plan &plan = GetPlan(Direction::kForward, shape);
     memory::desc x_plain, w_plain, y_plain;
     PlainDescs(Direction::kForward, shape, &x_plain, &w_plain, &y_plain);
     const memory::desc blocked(shape.dst, memory::data_type::f32, BlockedTag());
-    Execute(plan, ToLayout(memory(x_plain, engine_, x), plan.first_desc, &buffers_[0]),
+    const memory::desc x_desc = x_blocked ? memory::desc(shape.src, memory::data_type::f32, BlockedTag()) : x_plain;
+    Execute(plan, ToLayout(memory(x_desc, engine_, x), plan.first_desc, &buffers_[0]),
             ToLayout(memory(w_plain, engine_, weights), plan.second_desc, &buffers_[1]), blocked, conv_out);
     memory out_mem(blocked, engine_, conv_out);
     const BatchNormPlan &norm = GetBatchNormPlan(shape.dst, eps);
-    memory normalized(blocked, engine_, buffers_[4].Get(blocked.get_size()));
+    memory normalized(blocked, engine_, y_blocked ? y : buffers_[4].Get(blocked.get_size()));
     norm.forward.execute(stream_, {{DNNL_ARG_SRC, out_mem},
                                    {DNNL_ARG_DST, normalized},
                                    {DNNL_ARG_MEAN, Channels(shape, mean)},
@@ -241,21 +244,26 @@ class Runtime {
                                    {DNNL_ARG_SCALE, Channels(shape, gamma)},
                                    {DNNL_ARG_SHIFT, Channels(shape, beta)},
                                    {DNNL_ARG_SCRATCHPAD, Scratchpad(norm.forward_scratchpad)}});
-    memory y_mem(y_plain, engine_, y);
-    dnnl::reorder(normalized, y_mem).execute(stream_, normalized, y_mem);
+    if (!y_blocked) {
+      memory y_mem(y_plain, engine_, y);
+      dnnl::reorder(normalized, y_mem).execute(stream_, normalized, y_mem);
+    }
     stream_.wait();
   }
 
-  // The gradients of ConvBnForward's y: dx, dw (plain), dgamma, dbeta, from dy (plain) and the forward's conv_out,
-  // mean and variance.
-  void ConvBnBackward(const Shape &shape, float eps, void *dy, void *conv_out, void *mean, void *variance,
-                      void *gamma, void *x, void *weights, void *dx, void *dw, void *dgamma, void *dbeta) {
+  // The gradients of ConvBnForward's y: dx (in x's layout), dw (plain), dgamma, dbeta, from dy (in y's layout)
+  // and the forward's conv_out, mean and variance.
+  void ConvBnBackward(const Shape &shape, float eps, bool x_blocked, bool y_blocked, void *dy, void *conv_out,
+                      void *mean, void *variance, void *gamma, void *x, void *weights, void *dx, void *dw,
+                      void *dgamma, void *dbeta) {
     auto lock = executor_.Begin();
     memory::desc x_plain, w_plain, y_plain;
     PlainDescs(Direction::kForward, shape, &x_plain, &w_plain, &y_plain);
     const memory::desc blocked(shape.dst, memory::data_type::f32, BlockedTag());
+    const memory::desc x_desc = x_blocked ? memory::desc(shape.src, memory::data_type::f32, BlockedTag()) : x_plain;
     const BatchNormPlan &norm = GetBatchNormPlan(shape.dst, eps);
-    memory dy_blocked = ToLayout(memory(y_plain, engine_, dy), blocked, &buffers_[4]);
+    memory dy_blocked = y_blocked ? memory(blocked, engine_, dy)
+                                  : ToLayout(memory(y_plain, engine_, dy), blocked, &buffers_[4]);
     memory d_conv_out(blocked, engine_, buffers_[5].Get(blocked.get_size()));
     norm.backward.execute(stream_, {{DNNL_ARG_SRC, memory(blocked, engine_, conv_out)},
                                     {DNNL_ARG_DIFF_DST, dy_blocked},
@@ -269,10 +277,20 @@ class Runtime {
     // The convolution's gradients, as Run computes them but from d_conv_out, which is already blocked.
     const Plan &data = GetPlan(Direction::kBackwardData, shape);
     Execute(data, ToLayout(d_conv_out, data.first_desc, &buffers_[0]),
-            ToLayout(memory(w_plain, engine_, weights), data.second_desc, &buffers_[1]), x_plain, dx);
+            ToLayout(memory(w_plain, engine_, weights), data.second_desc, &buffers_[1]), x_desc, dx);
     const Plan &filter = GetPlan(Direction::kBackwardWeights, shape);
     Execute(filter, ToLayout(d_conv_out, filter.first_desc, &buffers_[0]),
-            ToLayout(memory(x_plain, engine_, x), filter.second_desc, &buffers_[1]), w_plain, dw);
+            ToLayout(memory(x_desc, engine_, x), filter.second_desc, &buffers_[1]), w_plain, dw);
+    stream_.wait();
+  }
+
+  // Copies a (N, C, H, W) tensor between the plain layout and channel blocks (to_blocked: plain -> blocked).
+  void Reorder(const memory::dims &dims, bool to_blocked, void *src, void *dst) {
+    auto lock = executor_.Begin();
+    const memory::desc plain(dims, memory::data_type::f32, tag::nchw);
+    const memory::desc blocked(dims, memory::data_type::f32, BlockedTag());
+    memory from(to_blocked ? plain : blocked, engine_, src), to(to_blocked ? blocked : plain, engine_, dst);
+    dnnl::reorder(from, to).execute(stream_, from, to);
     stream_.wait();
   }
 
@@ -607,35 +625,60 @@ int Launch(Direction direction, int stride, int padding, int nparam, void **para
   return Guarded("onednn_conv", [&] { Runtime::Get().Run(direction, shape, first, second, params[nparam - 1]); });
 }
 
-// params: x, weights, gamma, beta, moving mean, moving variance, (eps, momentum), then the outputs y, conv_out,
-// batch mean, batch variance (biased), new moving mean, new moving variance; all float32. The moving statistics
-// are updated as nn.BatchNorm2d updates them (momentum: the batch's weight; the unbiased batch variance), here
-// rather than in the graph, where they took seven small ops per BatchNorm.
+// (x blocked, y blocked) from a layouts tensor (int64: x's, y's; 0 plain NCHW, 1 channel blocks), checked against
+// the tensors' channels; false (with a message) when it can't be used.
+bool ReadTrainingLayouts(const char *what, const int64_t *layouts, const Shape &shape, bool *x_blocked,
+                         bool *y_blocked) {
+  for (int i = 0; i < 2; ++i) {
+    if (layouts[i] != 0 && layouts[i] != 1) {
+      std::fprintf(stderr, "%s: layout %lld is neither 0 (plain) nor 1 (blocked)\n", what,
+                   static_cast<long long>(layouts[i]));
+      return false;
+    }
+  }
+  *x_blocked = layouts[0] == 1, *y_blocked = layouts[1] == 1;
+  if (*x_blocked && shape.src[1] % ChannelBlock() != 0) {
+    std::fprintf(stderr, "%s: a blocked input needs channels in multiples of %d, got %lld\n", what, ChannelBlock(),
+                 static_cast<long long>(shape.src[1]));
+    return false;
+  }
+  return true;
+}
+
+// params: x, weights, gamma, beta, moving mean, moving variance, (eps, momentum), layouts (int64: x's, y's), then
+// the outputs y, conv_out, batch mean, batch variance (biased), new moving mean, new moving variance; all float32
+// but layouts. The moving statistics are updated as nn.BatchNorm2d updates them (momentum: the batch's weight; the
+// unbiased batch variance), here rather than in the graph, where they took seven small ops per BatchNorm.
 int LaunchConvBnForward(int stride, int padding, int nparam, void **params, int *ndims, int64_t **shapes,
                         const char **dtypes) {
   const char *what = "onednn_conv conv+batchnorm";
-  const int wanted_ndims[] = {4, 4, 1, 1, 1, 1, 1, 4, 4, 1, 1, 1, 1};
+  const int wanted_ndims[] = {4, 4, 1, 1, 1, 1, 1, 1, 4, 4, 1, 1, 1, 1};
   const char *const wanted_dtypes[] = {"float32", "float32", "float32", "float32", "float32", "float32", "float32",
-                                       "float32", "float32", "float32", "float32", "float32", "float32"};
-  if (!CheckTensors(what, nparam, 13, ndims, dtypes, wanted_ndims, wanted_dtypes)) return 1;
-  Shape shape{Dims(shapes[0]), Dims(shapes[1]), Dims(shapes[7]), {stride, stride}, {padding, padding}};
-  if (shape.dst[1] % ChannelBlock() != 0 || shapes[6][0] != 2) {
-    std::fprintf(stderr, "%s: needs output channels in multiples of %d and (eps, momentum), got %lld and %lld\n",
-                 what, ChannelBlock(), static_cast<long long>(shape.dst[1]), static_cast<long long>(shapes[6][0]));
+                                       "int64",   "float32", "float32", "float32", "float32", "float32", "float32"};
+  if (!CheckTensors(what, nparam, 14, ndims, dtypes, wanted_ndims, wanted_dtypes)) return 1;
+  Shape shape{Dims(shapes[0]), Dims(shapes[1]), Dims(shapes[8]), {stride, stride}, {padding, padding}};
+  if (shape.dst[1] % ChannelBlock() != 0 || shapes[6][0] != 2 || shapes[7][0] != 2) {
+    std::fprintf(stderr,
+                 "%s: needs output channels in multiples of %d, (eps, momentum) and two layouts, got %lld, %lld and "
+                 "%lld\n",
+                 what, ChannelBlock(), static_cast<long long>(shape.dst[1]), static_cast<long long>(shapes[6][0]),
+                 static_cast<long long>(shapes[7][0]));
     return 1;
   }
+  bool x_blocked, y_blocked;
+  if (!ReadTrainingLayouts(what, static_cast<const int64_t *>(params[7]), shape, &x_blocked, &y_blocked)) return 1;
   const float *constants = static_cast<const float *>(params[6]);
   const float eps = constants[0], momentum = constants[1];
   return Guarded(what, [&] {
-    Runtime::Get().ConvBnForward(shape, eps, params[0], params[1], params[2], params[3], params[7], params[8],
-                                 params[9], params[10]);
+    Runtime::Get().ConvBnForward(shape, eps, x_blocked, y_blocked, params[0], params[1], params[2], params[3],
+                                 params[8], params[9], params[10], params[11]);
     const int64_t count = shape.dst[0] * shape.dst[2] * shape.dst[3];
     const float unbiased = static_cast<float>(count) / static_cast<float>(std::max<int64_t>(count - 1, 1));
     const auto *moving_mean = static_cast<const float *>(params[4]);
     const auto *moving_variance = static_cast<const float *>(params[5]);
-    const auto *mean = static_cast<const float *>(params[9]);
-    const auto *variance = static_cast<const float *>(params[10]);
-    auto *new_mean = static_cast<float *>(params[11]), *new_variance = static_cast<float *>(params[12]);
+    const auto *mean = static_cast<const float *>(params[10]);
+    const auto *variance = static_cast<const float *>(params[11]);
+    auto *new_mean = static_cast<float *>(params[12]), *new_variance = static_cast<float *>(params[13]);
     for (int64_t c = 0; c < shape.dst[1]; ++c) {
       new_mean[c] = moving_mean[c] * (1 - momentum) + mean[c] * momentum;
       new_variance[c] = moving_variance[c] * (1 - momentum) + variance[c] * unbiased * momentum;
@@ -643,21 +686,40 @@ int LaunchConvBnForward(int stride, int padding, int nparam, void **params, int 
   });
 }
 
-// params: dy, conv_out, mean, variance, gamma, (eps, momentum), x, weights, then the outputs dx, dw, dgamma,
-// dbeta.
+// params: dy, conv_out, mean, variance, gamma, (eps, momentum), layouts (as the forward's), x, weights, then the
+// outputs dx, dw, dgamma, dbeta.
 int LaunchConvBnBackward(int stride, int padding, int nparam, void **params, int *ndims, int64_t **shapes,
                          const char **dtypes) {
   const char *what = "onednn_conv conv+batchnorm gradient";
-  const int wanted_ndims[] = {4, 4, 1, 1, 1, 1, 4, 4, 4, 4, 1, 1};
-  const char *const wanted_dtypes[] = {"float32", "float32", "float32", "float32", "float32", "float32",
+  const int wanted_ndims[] = {4, 4, 1, 1, 1, 1, 1, 4, 4, 4, 4, 1, 1};
+  const char *const wanted_dtypes[] = {"float32", "float32", "float32", "float32", "float32", "float32", "int64",
                                        "float32", "float32", "float32", "float32", "float32", "float32"};
-  if (!CheckTensors(what, nparam, 12, ndims, dtypes, wanted_ndims, wanted_dtypes)) return 1;
-  Shape shape{Dims(shapes[6]), Dims(shapes[7]), Dims(shapes[0]), {stride, stride}, {padding, padding}};
+  if (!CheckTensors(what, nparam, 13, ndims, dtypes, wanted_ndims, wanted_dtypes)) return 1;
+  Shape shape{Dims(shapes[7]), Dims(shapes[8]), Dims(shapes[0]), {stride, stride}, {padding, padding}};
+  bool x_blocked, y_blocked;
+  if (shapes[6][0] != 2 ||
+      !ReadTrainingLayouts(what, static_cast<const int64_t *>(params[6]), shape, &x_blocked, &y_blocked)) {
+    return 1;
+  }
   const float eps = *static_cast<const float *>(params[5]);
   return Guarded(what, [&] {
-    Runtime::Get().ConvBnBackward(shape, eps, params[0], params[1], params[2], params[3], params[4], params[6],
-                                  params[7], params[8], params[9], params[10], params[11]);
+    Runtime::Get().ConvBnBackward(shape, eps, x_blocked, y_blocked, params[0], params[1], params[2], params[3],
+                                  params[4], params[7], params[8], params[9], params[10], params[11], params[12]);
   });
+}
+
+// params: x, output (same shape, 4-d float32, channels in whole blocks).
+int LaunchReorder(bool to_blocked, int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes) {
+  const char *what = to_blocked ? "onednn_conv to channel blocks" : "onednn_conv from channel blocks";
+  const int wanted_ndims[] = {4, 4};
+  const char *const wanted_dtypes[] = {"float32", "float32"};
+  if (!CheckTensors(what, nparam, 2, ndims, dtypes, wanted_ndims, wanted_dtypes)) return 1;
+  if (shapes[0][1] % ChannelBlock() != 0) {
+    std::fprintf(stderr, "%s: needs channels in multiples of %d, got %lld\n", what, ChannelBlock(),
+                 static_cast<long long>(shapes[0][1]));
+    return 1;
+  }
+  return Guarded(what, [&] { Runtime::Get().Reorder(Dims(shapes[0]), to_blocked, params[0], params[1]); });
 }
 
 // A layout number from Python, checked; false (with a message) when it is none or when the tensor's channels
@@ -767,6 +829,16 @@ ONEDNN_CONV_BN_EXPORT(2, 0)
 ONEDNN_CONV_BN_EXPORT(2, 1)
 ONEDNN_CONV_BN_EXPORT(2, 2)
 ONEDNN_CONV_BN_EXPORT(2, 3)
+
+// Training: activations into and out of channel blocks (each the other's gradient).
+extern "C" int ToBlocked(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes, void *,
+                         void *) {
+  return LaunchReorder(true, nparam, params, ndims, shapes, dtypes);
+}
+extern "C" int FromBlocked(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes, void *,
+                           void *) {
+  return LaunchReorder(false, nparam, params, ndims, shapes, dtypes);
+}
 
 // Inference: post-ops (None, Relu, AddRelu: residual addition then ReLU) x (stride, padding).
 #define ONEDNN_INFERENCE_EXPORT(POST, STRIDE, PADDING)                                                         \

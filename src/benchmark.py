@@ -81,13 +81,15 @@ def _time_steps(run_step: Callable[[], None], warmup: int, repeats: int, steps: 
     return timings
 
 
-RECIPE_PATTERN = re.compile(r"^O[0-3](-sink)?$")
+RECIPE_PATTERN = re.compile(r"^O[0-3](-sink)?(-plain)?$")
 
 
 def check_recipe(recipe: str) -> str:
-    """A training recipe name: an amp_level O0-O3, with -sink for the loss read once per sink (here: per timing)."""
+    """A training recipe name: an amp_level O0-O3, with -sink for the loss read once per sink (here: per timing) and
+    -plain for activations reordered to the plain layout around every native convolution (build_resnet's
+    blocked_activations=False)."""
     if not RECIPE_PATTERN.match(recipe):
-        raise ValueError(f"unknown recipe {recipe!r}: an amp_level O0-O3, optionally followed by -sink")
+        raise ValueError(f"unknown recipe {recipe!r}: an amp_level O0-O3, optionally followed by -sink, then -plain")
     return recipe
 
 
@@ -124,7 +126,8 @@ def mindspore_step(mode: str, model_name: str, image_size: int, batch_size: int,
     ms.set_seed(1)
     ms.set_context(mode=ms.GRAPH_MODE)
     config = load_config([], prog="benchmark.py")
-    net = build_resnet(model_name, config.class_num, conv_implementation=conv_implementation)
+    net = build_resnet(model_name, config.class_num, conv_implementation=conv_implementation,
+                       blocked_activations=not recipe.endswith("-plain"))
     rng = np.random.default_rng(0)
     images = ms.Tensor(rng.standard_normal((batch_size, 3, image_size, image_size), np.float32))
     labels = ms.Tensor(rng.integers(0, config.class_num, batch_size).astype(np.int32))
@@ -143,7 +146,7 @@ def mindspore_step(mode: str, model_name: str, image_size: int, batch_size: int,
     optimizer = build_optimizer(config, net.trainable_params(), learning_rates)
     level = check_recipe(recipe).split("-")[0]
     amp = AmpSetting(level, None if level == "O0" else config.loss_scale)
-    sink = recipe.endswith("-sink")
+    sink = "-sink" in recipe
     train_step = build_train_step(net, optimizer, config, amp, sink=sink)
     if sink:
         return lambda: train_step(images, labels), "", train_step.read_totals

@@ -23,6 +23,10 @@ BUILD_COMMAND = "python -m pip install ./native"
 # The (stride, padding) pairs native/onednn_conv.cc exports a function for.
 SUPPORTED_STRIDES = (1, 2)
 SUPPORTED_PADDINGS = (0, 1, 2, 3)
+# Activation layouts of the training ops: MindSpore's plain NCHW, or oneDNN's channel blocks (nChw16c, nChw8c
+# without AVX-512) in a tensor of the same (N, C, H, W) shape, which MindSpore's element-wise ops (ReLU, the
+# residual addition and their gradients) handle as they handle any other order of the same numbers.
+PLAIN, BLOCKED = 0, 1
 
 
 @functools.lru_cache(maxsize=None)
@@ -143,13 +147,13 @@ def _forward_op(stride: int, padding: int) -> ops.Custom:
 @functools.lru_cache(maxsize=None)
 def _conv_batchnorm_op(stride: int, padding: int) -> ops.Custom:
     """Convolution then BatchNorm on the batch's statistics in one native call (training), with its gradient op
-    as bprop: (x, weight, gamma, beta, moving mean, moving variance, (eps, momentum)) -> (y, the convolution's
-    output in channel blocks, kept for the gradient, batch mean, batch variance (biased), new moving mean, new
-    moving variance)."""
+    as bprop: (x, weight, gamma, beta, moving mean, moving variance, (eps, momentum), layouts (x's, y's: PLAIN or
+    BLOCKED)) -> (y, the convolution's output in channel blocks, kept for the gradient, batch mean, batch variance
+    (biased), new moving mean, new moving variance). The gradient of x comes in x's layout."""
     library = usable_library()
     suffix = f"_s{stride}_p{padding}"
 
-    def backward_shape(dy, conv_out, mean, variance, gamma, constants, x, weight):
+    def backward_shape(dy, conv_out, mean, variance, gamma, constants, layouts, x, weight):
         return x, weight, gamma, gamma
 
     def backward_dtype(dy, *others):
@@ -165,14 +169,51 @@ def _conv_batchnorm_op(stride: int, padding: int) -> ops.Custom:
     def output_dtype(x_dtype, *others):
         return (x_dtype,) * 6
 
-    def bprop(x, weight, gamma, beta, moving_mean, moving_variance, constants, out, dout):
+    def bprop(x, weight, gamma, beta, moving_mean, moving_variance, constants, layouts, out, dout):
         # Only y carries a gradient: conv_out, mean and variance are for this bprop, the moving statistics are
         # assigned.
-        dx, dw, dgamma, dbeta = backward(dout[0], out[1], out[2], out[3], gamma, constants, x, weight)
+        dx, dw, dgamma, dbeta = backward(dout[0], out[1], out[2], out[3], gamma, constants, layouts, x, weight)
         return (dx, dw, dgamma, dbeta, ops.zeros_like(moving_mean), ops.zeros_like(moving_variance),
-                ops.zeros_like(constants))
+                ops.zeros_like(constants), ops.zeros_like(layouts))
 
     return ops.Custom(f"{library}:ConvBnForward{suffix}", output_shape, output_dtype, func_type="aot", bprop=bprop)
+
+
+def _same_shape(shape):
+    return shape
+
+
+def _same_dtype(dtype):
+    return dtype
+
+
+@functools.lru_cache(maxsize=None)
+def _reorder_ops() -> Tuple[ops.Custom, ops.Custom]:
+    """(plain -> channel blocks, channel blocks -> plain), each the other's gradient."""
+    library = usable_library()
+    to_blocked = ops.Custom(f"{library}:ToBlocked", _same_shape, _same_dtype, func_type="aot")
+    from_blocked = ops.Custom(f"{library}:FromBlocked", _same_shape, _same_dtype, func_type="aot")
+
+    def to_bprop(x, out, dout):
+        return (from_blocked(dout),)
+
+    def from_bprop(x, out, dout):
+        return (to_blocked(dout),)
+
+    return (ops.Custom(f"{library}:ToBlocked", _same_shape, _same_dtype, func_type="aot", bprop=to_bprop),
+            ops.Custom(f"{library}:FromBlocked", _same_shape, _same_dtype, func_type="aot", bprop=from_bprop))
+
+
+class ChannelBlocks(nn.Cell):
+    """Reorders a float32 (N, C, H, W) activation into oneDNN's channel blocks (to_blocked) or back; the gradient
+    goes the other way. C must be a multiple of channel_block()."""
+
+    def __init__(self, to_blocked: bool) -> None:
+        super().__init__()
+        self.op = _reorder_ops()[0 if to_blocked else 1]
+
+    def construct(self, x):
+        return self.op(x)
 
 
 def _symmetric_padding(cell: nn.Conv2d) -> Optional[int]:
@@ -204,16 +245,29 @@ class BlockedConv2d(nn.Conv2d):
         self.batchnorm_op = _conv_batchnorm_op(stride[0], padding) if fusable else None
         self.blocked_stride, self.blocked_padding = stride[0], padding  # what the native ops are told
 
-    def with_batchnorm(self, x, bn: nn.BatchNorm2d):
+    @staticmethod
+    def channel_block_cells() -> Tuple[ChannelBlocks, ChannelBlocks]:
+        """Cells that reorder activations into channel blocks and back, for a training step that keeps them there
+        between with_batchnorm calls (ResNet)."""
+        return ChannelBlocks(True), ChannelBlocks(False)
+
+    def runs_batchnorm_itself(self) -> bool:
+        """Whether with_batchnorm runs the convolution and a training BatchNorm in one native call (float32)."""
+        return self.batchnorm_op is not None
+
+    def with_batchnorm(self, x, bn: nn.BatchNorm2d, x_layout: int = PLAIN, y_layout: int = PLAIN):
         """bn(self(x)). In training on batch statistics both run in one native call, the convolution's output
         kept in oneDNN's blocked layout for its BatchNorm kernels, and bn's moving statistics are updated as
         nn.BatchNorm2d updates them: with the unbiased batch variance, bn.momentum being the new batch's weight
-        (nn.BatchNorm2d keeps 1 - its momentum argument there)."""
+        (nn.BatchNorm2d keeps 1 - its momentum argument there). x and y are in channel blocks where x_layout /
+        y_layout say BLOCKED (only in that call: the caller checks runs_batchnorm_itself and trains in float32)."""
         if self.batchnorm_op is None or x.dtype != ms.float32 or not bn.training or bn.use_batch_statistics is False:
             return bn(self.construct(x))
         constants = ms.Tensor([bn.eps, bn.momentum], ms.float32)
+        layouts = ms.Tensor([x_layout, y_layout], ms.int64)
         y, _, _, _, moving_mean, moving_variance = self.batchnorm_op(x, self.weight, bn.gamma, bn.beta,
-                                                                     bn.moving_mean, bn.moving_variance, constants)
+                                                                     bn.moving_mean, bn.moving_variance, constants,
+                                                                     layouts)
         ops.assign(bn.moving_mean, moving_mean)
         ops.assign(bn.moving_variance, moving_variance)
         return y

@@ -16,7 +16,7 @@ or pool: it exports to ONNX and the native blocked convolutions run the 'valid' 
 import math
 from typing import Callable, Dict, List, Optional, Type, Union
 
-from mindspore import nn, ops
+from mindspore import dtype as mstype, nn, ops
 from mindspore.common import initializer as init
 
 from src.architectures import (ARCHITECTURES as LAYOUTS, BASIC, BOTTLENECK, CIFAR, IMAGENET, SEMANTICS, STEMS,
@@ -81,10 +81,11 @@ class SamePad(nn.Cell):
         return _zeros_around(_zeros_around(x, 2, top, bottom), 3, left, right)
 
 
-def conv_bn(conv: nn.Conv2d, bn: nn.BatchNorm2d, x):
-    """bn(conv(x)); a convolution that can run its BatchNorm itself (BlockedConv2d.with_batchnorm) does."""
+def conv_bn(conv: nn.Conv2d, bn: nn.BatchNorm2d, x, blocked: bool = False):
+    """bn(conv(x)); a convolution that can run its BatchNorm itself (BlockedConv2d.with_batchnorm) does. blocked: x
+    and the result are in channel blocks (a training step of a network whose convolutions all do)."""
     if hasattr(conv, "with_batchnorm"):
-        return conv.with_batchnorm(x, bn)
+        return conv.with_batchnorm(x, bn, int(blocked), int(blocked))
     return bn(conv(x))
 
 
@@ -107,15 +108,16 @@ class BasicBlock(nn.Cell):
     def last_bn(self) -> nn.BatchNorm2d:
         return self.bn2
 
-    def construct(self, x):
+    def construct(self, x, blocked: bool = False):
+        # blocked: x and the result are in channel blocks (ResNet's training step, see conv_bn).
         identity = x
         out = x
         if self.pad1 is not None:
             out = self.pad1(out)
-        out = self.relu(conv_bn(self.conv1, self.bn1, out))
-        out = conv_bn(self.conv2, self.bn2, out)
+        out = self.relu(conv_bn(self.conv1, self.bn1, out, blocked))
+        out = conv_bn(self.conv2, self.bn2, out, blocked)
         if self.downsample is not None:
-            identity = conv_bn(self.downsample[0], self.downsample[1], x)
+            identity = conv_bn(self.downsample[0], self.downsample[1], x, blocked)
         return self.relu(out + identity)
 
 
@@ -140,15 +142,16 @@ class Bottleneck(nn.Cell):
     def last_bn(self) -> nn.BatchNorm2d:
         return self.bn3
 
-    def construct(self, x):
+    def construct(self, x, blocked: bool = False):
+        # blocked: x and the result are in channel blocks (ResNet's training step, see conv_bn).
         identity = x
-        out = self.relu(conv_bn(self.conv1, self.bn1, x))
+        out = self.relu(conv_bn(self.conv1, self.bn1, x, blocked))
         if self.pad2 is not None:
             out = self.pad2(out)
-        out = self.relu(conv_bn(self.conv2, self.bn2, out))
-        out = conv_bn(self.conv3, self.bn3, out)
+        out = self.relu(conv_bn(self.conv2, self.bn2, out, blocked))
+        out = conv_bn(self.conv3, self.bn3, out, blocked)
         if self.downsample is not None:
-            identity = conv_bn(self.downsample[0], self.downsample[1], x)
+            identity = conv_bn(self.downsample[0], self.downsample[1], x, blocked)
         return self.relu(out + identity)
 
 
@@ -172,7 +175,7 @@ class ResNet(nn.Cell):
 
     def __init__(self, block: Block, layers: List[int], num_classes: int = 1000,
                  zero_init_residual: bool = False, conv: ConvClass = nn.Conv2d, stem: str = IMAGENET,
-                 semantics: str = TORCH, variant: Optional[Variant] = None) -> None:
+                 semantics: str = TORCH, variant: Optional[Variant] = None, blocked_activations: bool = True) -> None:
         super().__init__()
         if stem not in STEMS:
             raise ValueError(f"unknown stem {stem!r}; choose one of {', '.join(STEMS)}")
@@ -214,6 +217,14 @@ class ResNet(nn.Cell):
         self.fc = nn.Dense(512 * block.expansion, num_classes)
         self.num_classes = num_classes
         self._initialize(zero_init_residual)
+        self.to_blocks = self.from_blocks = None
+        layers = (self.layer1, self.layer2, self.layer3, self.layer4)
+        convs = [cell for layer in layers for _, cell in layer.cells_and_names() if isinstance(cell, nn.Conv2d)]
+        if (blocked_activations and hasattr(conv, "channel_block_cells") and not variant.stride2_conv_same
+                and all(cell.runs_batchnorm_itself() for cell in convs)):
+            # Training keeps layer1..layer4's activations in channel blocks: one reorder in and one out per step,
+            # instead of one around every convolution (SamePad's concatenations would need the plain layout).
+            self.to_blocks, self.from_blocks = conv.channel_block_cells()
 
     def _make_layer(self, block: Block, planes: int, blocks: int, stride: int, conv: ConvClass,
                     variant: Variant) -> nn.SequentialCell:
@@ -252,7 +263,19 @@ class ResNet(nn.Cell):
         if self.stem_pad is not None:
             x = self.stem_pad(x)
         x = self.maxpool(self.relu(conv_bn(self.conv1, self.bn1, x)))
-        x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
+        if self.to_blocks is not None and self.training and x.dtype == mstype.float32:
+            x = self.to_blocks(x)
+            for block in self.layer1:
+                x = block(x, True)
+            for block in self.layer2:
+                x = block(x, True)
+            for block in self.layer3:
+                x = block(x, True)
+            for block in self.layer4:
+                x = block(x, True)
+            x = self.from_blocks(x)
+        else:
+            x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
         # Global average pooling: a mean over H and W equals AdaptiveAvgPool2d((1, 1)) and is cheaper.
         x = x.mean(axis=(2, 3))
         return self.fc(x)
@@ -264,13 +287,16 @@ ARCHITECTURES: Dict[str, tuple] = {name: ({BASIC: BasicBlock, BOTTLENECK: Bottle
 
 
 def build_resnet(model_name: str, num_classes: int = 1000, zero_init_residual: bool = False,
-                 conv_implementation: str = "mindspore", stem: str = IMAGENET, semantics: str = TORCH) -> ResNet:
+                 conv_implementation: str = "mindspore", stem: str = IMAGENET, semantics: str = TORCH,
+                 blocked_activations: bool = True) -> ResNet:
     """Builds one of ARCHITECTURES by name, its convolutions from MindSpore's nn.Conv2d ("mindspore") or
     oneDNN's blocked-layout kernels ("onednn_blocked", CPU; see src/onednn_conv.py). Both have the same
     parameters, so checkpoints are the same. stem: "imagenet" (torchvision's 7x7 stride-2 conv1 and max pool) or
     "cifar" (a 3x3 stride-1 conv1, no max pool); the parameter names are the same, conv1.weight's shape differs.
     semantics: "torch" (this project's), "mindcv" or "models_zoo": computes as that zoo's ResNet does (padding, BatchNorm
-    eps; src/architectures.py variant_of), with the same parameter names."""
+    eps; src/architectures.py variant_of), with the same parameter names. blocked_activations: with onednn_blocked,
+    a training step keeps layer1..layer4's activations in channel blocks where it can (False: reordered to the plain
+    layout around every convolution, for comparisons; the results are the same)."""
     if model_name not in ARCHITECTURES:
         raise ValueError(f"unknown model_name {model_name!r}; choose one of {', '.join(ARCHITECTURES)}")
     if stem not in STEMS:
@@ -282,7 +308,7 @@ def build_resnet(model_name: str, num_classes: int = 1000, zero_init_residual: b
         from src.onednn_conv import BlockedConv2d  # only then: it needs the built native library
         conv = BlockedConv2d
     return ResNet(block, layers, num_classes=num_classes, zero_init_residual=zero_init_residual, conv=conv,
-                  stem=stem, semantics=semantics, variant=variant)
+                  stem=stem, semantics=semantics, variant=variant, blocked_activations=blocked_activations)
 
 
 def _factory(model_name: str) -> Callable[..., ResNet]:

@@ -272,3 +272,58 @@ def test_numerics_tests_pass_uncapped_on_16_channel_blocks():
     assert process.returncode == 0, process.stdout[-3000:]
     summary = process.stdout.strip().splitlines()[-1]
     assert " passed" in summary and "failed" not in summary and "skipped" not in summary, summary
+
+
+BLOCKED_ACTIVATIONS_SCRIPT = """
+import sys, numpy as np, mindspore as ms
+from mindspore import nn
+from src.resnet import build_resnet
+ms.set_context(mode=ms.GRAPH_MODE)
+ms.set_seed(1)
+net = build_resnet("resnet50", 10, conv_implementation="onednn_blocked", blocked_activations=sys.argv[1] == "1")
+loss = nn.WithLossCell(net, nn.SoftmaxCrossEntropyWithLogits(sparse=True, reduction="mean"))
+step = nn.TrainOneStepCell(loss, nn.SGD(net.trainable_params(), 0.01))
+step.set_train(True)
+images, labels = ms.Tensor(np.ones((2, 3, 32, 32), np.float32)), ms.Tensor(np.array([1, 2], np.int32))
+step(images, labels)
+print("MEASURED-STEP", flush=True)
+step(images, labels)
+"""
+
+
+@pytest.mark.slow
+def test_training_keeps_activations_in_channel_blocks():
+    """A training step of a network whose convolutions all run their BatchNorm natively reorders activations only
+    into and out of layer1..layer4 (and around the stem), not around every convolution; weights are still
+    reordered for each call."""
+    def activation_reorders(blocked: str) -> int:
+        log = onednn_exec_log(["-c", BLOCKED_ACTIVATIONS_SCRIPT, blocked], marker="MEASURED-STEP")
+        reorders = [fields for fields in log if fields[5] == "reorder"]
+        assert reorders  # the weights still are
+        return sum(1 for fields in reorders if fields[-2].startswith("2x"))  # batch 2: activations, not weights
+
+    kept, around_every_convolution = activation_reorders("1"), activation_reorders("0")
+    assert kept <= 20, kept  # measured 19 with 16-channel blocks: the stem's, layer1's in and layer4's out
+    assert around_every_convolution >= 200, around_every_convolution  # measured 269: 53 convolutions, 3 passes
+
+
+@pytest.mark.slow
+def test_blocked_activations_train_to_the_same_weights():
+    """Keeping the activations in channel blocks changes where numbers are in memory, not what is computed."""
+    def train(blocked: bool):
+        ms.set_seed(1)
+        from src.resnet import build_resnet
+        net = build_resnet("resnet18", 10, conv_implementation="onednn_blocked", blocked_activations=blocked)
+        loss = nn.WithLossCell(net, nn.SoftmaxCrossEntropyWithLogits(sparse=True, reduction="mean"))
+        step = nn.TrainOneStepCell(loss, nn.Momentum(net.trainable_params(), 0.1, 0.9))
+        step.set_train(True)
+        rng = np.random.default_rng(0)
+        for _ in range(2):
+            step(ms.Tensor(rng.standard_normal((4, 3, 32, 32)).astype(np.float32)),
+                 ms.Tensor(rng.integers(0, 10, 4).astype(np.int32)))
+        return {p.name: p.asnumpy() for p in net.get_parameters()}
+
+    kept, plain = train(True), train(False)
+    assert kept.keys() == plain.keys()
+    worst = max(rel_diff(kept[name], plain[name]) for name in kept if np.abs(plain[name]).max() > 0)
+    assert worst <= 1e-6, worst
