@@ -15,7 +15,7 @@ runs train.py once per run below, one after the other, with the same data, seed,
 Every run is shortened to --epochs epochs at 32x32 (schedules follow epoch_size, so a cosine or one-cycle schedule
 still runs its whole course) and an EMA keeps the same share of the run: its window (1 / (1 - ema_decay) steps) is
 scaled by the proxy's steps over the full CIFAR-10 run's steps. The table (final top-1 of the raw and EMA weights,
-best raw top-1, training seconds) is printed and written to OUTPUT/comparison.md and comparison.json; each run's
+best raw top-1 over the epochs) is printed and written to OUTPUT/comparison.md and comparison.json; each run's
 log, metrics.csv and checkpoints are in OUTPUT/NAME. A run whose folder already holds a finished run of the same
 command is reused. Accuracy on 500 digit images moves by about a point between seeds: read small gaps as ties.
 """
@@ -122,19 +122,18 @@ def run_one(name: str, args: argparse.Namespace) -> Dict:
         "run": name, "what": RUNS[name][2], "final_top1": float(last["top1"]),
         "final_ema_top1": float(ema) if ema else None,
         "best_top1": max(float(row["top1"]) for row in rows if row["top1"]),
-        "train_seconds": round(sum(float(row["epoch_seconds"]) for row in rows), 1),
     }
 
 
 def markdown_table(results: List[Dict], args: argparse.Namespace) -> str:
     lines = [f"DIGITS proxy (scikit-learn's handwritten digits as 32x32 CIFAR-format images: {TRAIN_IMAGES} training, "
              f"{TEST_IMAGES} test; NOT CIFAR-10), {args.epochs} epochs, seed {args.seed}.", "",
-             "| run | what | final top-1 | final top-1, EMA | best top-1 | training s |",
-             "|---|---|---|---|---|---|"]
+             "| run | what | final top-1 | final top-1, EMA | best top-1 |",
+             "|---|---|---|---|---|"]
     for result in results:
         ema = "-" if result["final_ema_top1"] is None else f"{result['final_ema_top1']:.3f}"
         lines.append(f"| {result['run']} | {result['what']} | {result['final_top1']:.3f} | {ema} | "
-                     f"{result['best_top1']:.3f} | {result['train_seconds']:.0f} |")
+                     f"{result['best_top1']:.3f} |")
     return "\n".join(lines) + "\n"
 
 

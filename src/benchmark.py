@@ -37,6 +37,7 @@ class Measurement:
     onednn_max_cpu_isa: str = ""  # MindSpore's: the oneDNN instruction-set setting it ran under
     inference_network: str = ""  # MindSpore's, eval: the cell that ran (fused-blocked, fused-nhwc or resnet)
     recipe: str = ""  # MindSpore's, train: the amp_level, and "-sink" when the loss is read once per timing
+    peak_rss_bytes: Optional[int] = None  # the worker's peak resident memory during the timed steps (Linux)
 
     @property
     def images_per_second(self) -> float:
@@ -62,14 +63,38 @@ class GemmMeasurement:
         return 2 * self.n ** 3 / statistics.median(self.seconds) / 1e9
 
 
+def reset_peak_memory() -> bool:
+    """Resets this process's peak resident memory (VmHWM) to its current resident memory (Linux's clear_refs 5);
+    False where that can't be done."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        return False
+    return True
+
+
+def peak_memory_bytes() -> Optional[int]:
+    """This process's peak resident memory (VmHWM) since it started or since reset_peak_memory; None off Linux."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 def _time_steps(run_step: Callable[[], None], warmup: int, repeats: int, steps: int,
-                finish: Optional[Callable[[], None]] = None) -> List[float]:
+                finish: Optional[Callable[[], None]] = None,
+                when_warm: Optional[Callable[[], object]] = None) -> List[float]:
     """Seconds per step of each repeat (steps steps each, then finish: waiting for the last one's result), after
-    warmup steps (which include compilation)."""
+    warmup steps (which include compilation), after which when_warm is called."""
     for _ in range(warmup):
         run_step()
     if finish:
         finish()
+    if when_warm:
+        when_warm()
     timings = []
     for _ in range(repeats):
         started = time.perf_counter()
@@ -236,10 +261,14 @@ def measure_here(framework: str, mode: str, model_name: str, image_size: int, ba
         run_step, ran_network, finish = mindspore_step(mode, model_name, image_size, batch_size,
                                                        warmup + repeats * steps, implementation, inference_network,
                                                        recipe)
-    timings = _time_steps(run_step, warmup, repeats, steps, finish)
+    # The peak resident memory of the timed steps alone, the same way for every framework: the model, its
+    # optimizer state and what a step allocates, not the compilation's or the imports' transient peaks.
+    reset = []
+    timings = _time_steps(run_step, warmup, repeats, steps, finish, lambda: reset.append(reset_peak_memory()))
+    peak = peak_memory_bytes() if reset and reset[0] else None
     return Measurement(framework, mode, image_size, batch_size, threads, timings, conv_implementation=implementation,
                        onednn_max_cpu_isa=isa, inference_network=ran_network,
-                       recipe=recipe if framework == "mindspore" and mode == "train" else "")
+                       recipe=recipe if framework == "mindspore" and mode == "train" else "", peak_rss_bytes=peak)
 
 
 def measure_in_subprocess(framework: str, mode: str, model_name: str, image_size: int, batch_size: int, threads: int,
@@ -381,6 +410,8 @@ def table(measurements: Sequence[Measurement], gemms: Sequence[GemmMeasurement] 
                     f"{number(_percent_of(ours, reference), 1)} | {rate(found, 'onnxruntime')} | "
                     f"{ratio(found, 'onnxruntime')} |")
     rows += ["", f"GFLOP/image of {model_name}: {FLOP_CONVENTION}."]
+    if any(m.peak_rss_bytes for m in main):
+        rows += ["", memory_table(main, keys)]
     if len(recipes) > 1:
         rows += ["", recipe_table(measurements, recipes)]
     if gemms:
@@ -396,6 +427,23 @@ def table(measurements: Sequence[Measurement], gemms: Sequence[GemmMeasurement] 
         rows.append(f"GEMM: fp32 {gemms[0].n}x{gemms[0].n} matrix products, {gemms[0].threads} threads, median of "
                     f"{timings} per backend ({' and '.join(phases)} the models): {described} GFLOP/s; "
                     f"% of GEMM is against the fastest, {reference:.1f} GFLOP/s.")
+    return "\n".join(rows)
+
+
+def memory_table(measurements: Sequence[Measurement], keys: Sequence[Tuple[str, int]]) -> str:
+    """Markdown table of each framework's peak resident memory during the timed steps (MB), per mode and size."""
+    frameworks = [name for name in ("mindspore", "torch", "onnxruntime") if any(m.framework == name for m in measurements)]
+    titles = {"mindspore": "MindSpore", "torch": "PyTorch", "onnxruntime": "onnxruntime"}
+    header = "| mode | input | " + " | ".join(f"{titles[name]} peak MB" for name in frameworks)
+    header += " | MindSpore / PyTorch memory |" if "torch" in frameworks and "mindspore" in frameworks else " |"
+    rows = [header, "|" + "---|" * (header.count("|") - 1)]
+    for mode, size in keys:
+        found = {m.framework: m.peak_rss_bytes for m in measurements if (m.mode, m.image_size) == (mode, size)}
+        cells = [f"{found[name] / 1e6:.0f}" if found.get(name) else "-" for name in frameworks]
+        if "torch" in frameworks and "mindspore" in frameworks:
+            ours, theirs = found.get("mindspore"), found.get("torch")
+            cells.append(f"{ours / theirs:.2f}x" if ours and theirs else "-")
+        rows.append(f"| {mode} | {size}x{size} | " + " | ".join(cells) + " |")
     return "\n".join(rows)
 
 

@@ -122,6 +122,9 @@ def test_end_to_end_run_writes_flop_rates_and_gemm_rates(tmp_path):
     assert onnx["threads"] == ours_threads(result) and result["environment"]["onnxruntime"]
     ratio = result["measurements"][0]["images_per_second"] / onnx["images_per_second"]
     assert f"| {onnx['images_per_second']:.1f} | {ratio:.2f}x |" in process.stdout
+    # Each worker's peak resident memory during its timed steps, in one table.
+    assert all(m["peak_rss_bytes"] > 50_000_000 for m in result["measurements"])
+    assert "| eval | 32x32 | " in process.stdout.split("MindSpore peak MB")[1]
     # The project's defaults, as train.py applies them: blocked-layout convolutions, oneDNN uncapped.
     ours = result["measurements"][0]
     assert (ours["conv_implementation"], ours["onednn_max_cpu_isa"]) == ("onednn_blocked", "all")
@@ -140,6 +143,28 @@ def test_end_to_end_run_writes_flop_rates_and_gemm_rates(tmp_path):
 
 def ours_threads(result: dict) -> int:
     return result["measurements"][0]["threads"]
+
+
+def test_memory_table_reports_each_frameworks_peak_of_the_timed_steps():
+    ours = Measurement("mindspore", "train", 32, 10, 2, [1.0], peak_rss_bytes=900_000_000)
+    theirs = Measurement("torch", "train", 32, 10, 2, [1.0], peak_rss_bytes=1_200_000_000)
+    ort = Measurement("onnxruntime", "eval", 32, 10, 2, [1.0], peak_rss_bytes=300_000_000)
+    text = table([ours, theirs, ort])
+    assert "| mode | input | MindSpore peak MB | PyTorch peak MB | onnxruntime peak MB | MindSpore / PyTorch memory |" \
+        in text
+    assert "| train | 32x32 | 900 | 1200 | - | 0.75x |" in text and "| eval | 32x32 | - | - | 300 | - |" in text
+
+
+def test_peak_memory_is_that_of_the_timed_steps():
+    """After a reset the peak is the current resident memory, and it rises with what the process then touches."""
+    from src.benchmark import peak_memory_bytes, reset_peak_memory
+    import numpy as np
+    before = peak_memory_bytes()
+    big = np.ones(400_000_000 // 8)  # 400 MB, touched
+    assert peak_memory_bytes() >= before + 350_000_000
+    del big
+    assert reset_peak_memory()
+    assert peak_memory_bytes() < before + 200_000_000  # the freed 400 MB no longer count
 
 
 def test_onnxruntime_column_compares_inference_only():
