@@ -23,6 +23,7 @@ import argparse
 import csv
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -110,7 +111,9 @@ def run_one(name: str, args: argparse.Namespace) -> Dict:
         folder.mkdir(parents=True, exist_ok=True)
         log = folder / "compare_run.log"
         with log.open("w", encoding="utf-8") as handle:
-            code = subprocess.call(command, cwd=ROOT, stdout=handle, stderr=subprocess.STDOUT)
+            # env: Python's os.environ, not the C-level environment, where importing MindSpore (here through
+            # src.dataset) has set OMP_NUM_THREADS=1 and more: passed on, train.py would use one thread.
+            code = subprocess.call(command, cwd=ROOT, env=dict(os.environ), stdout=handle, stderr=subprocess.STDOUT)
         if code != 0:
             tail = log.read_text(encoding="utf-8", errors="replace").strip().splitlines()[-1:]
             raise UserError(f"run {name} failed (exit {code}): {tail[0] if tail else ''}; whole log: {log}")

@@ -75,6 +75,9 @@ def test_compare_script_runs_train_py_and_reuses_finished_runs(digits_dir, tmp_p
     assert result["final_top1"] == pytest.approx(float(metrics[-1]["top1"])) and result["final_ema_top1"] is None
     log = (tmp_path / "cmp" / "reference_imagenet" / "compare_run.log").read_text()
     assert "DIGITS proxy data, not CIFAR-10" in log and "on 500 images" in log
+    from src.onednn_conv import native_library, native_thread_count
+    if native_library()[0]:  # train.py got this process's thread setting, not the one MindSpore's import sets
+        assert f"native convolutions: {native_thread_count()} threads" in log
     again = run_script("scripts/compare_recipes_on_digits.py", args)
     assert again.returncode == 0 and "reusing the finished run" in again.stdout
     assert json.loads((tmp_path / "cmp" / "comparison.json").read_text())[0] == result
