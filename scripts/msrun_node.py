@@ -52,7 +52,16 @@ def check_master(addr: str, port: str, node_rank: int) -> None:
 
 
 def run_msrun() -> None:
+    omp_threads = os.environ.get("OMP_NUM_THREADS")  # the user's, before MindSpore's import changes it
     from mindspore.parallel.cluster import run  # imported here: --check-master must not wait for MindSpore
+
+    # MindSpore's import sets OMP_NUM_THREADS=1 in the C-level environment, which msrun's workers inherit: each
+    # would then run the native convolutions on one thread whatever the machine has (src/onednn_conv.py
+    # native_thread_count). The workers get the user's setting instead.
+    if omp_threads is None:
+        os.unsetenv("OMP_NUM_THREADS")
+    else:
+        os.putenv("OMP_NUM_THREADS", omp_threads)
 
     manager = getattr(run, "_ProcessManager", None)
     if manager is None:  # another msrun layout: msrun as it is (its address rule decides)

@@ -236,6 +236,21 @@ def test_two_workers_identical_weights_rank0_outputs_and_matching_eval(two_worke
     assert result["loss"] == pytest.approx(float(last_row[3]), rel=1e-4)
 
 
+@pytest.mark.slow
+def test_a_worker_gets_the_users_thread_setting_not_msruns(cifar_dir, tmp_path, memory_turn):
+    """msrun's import of MindSpore sets OMP_NUM_THREADS=1 for the workers it starts; the launcher gives them the
+    user's setting: unset, one worker uses every CPU of the machine for the native convolutions."""
+    from src.onednn_conv import native_library
+    if native_library()[0] is None:
+        pytest.skip("the native convolutions are not built here")  # CI builds them: not skipped there
+    env = {key: value for key, value in launcher_env().items() if key != "OMP_NUM_THREADS"}
+    process = launch("run_distribute_train.sh", [1, cifar_dir, "--output_path", tmp_path / "out", "--epoch_size", "1",
+                                                 "--train_num_samples", "16", *SMALL], env=env)
+    assert process.returncode == 0, process.stdout[-3000:] + process.stderr[-3000:]
+    cpus = len(os.sched_getaffinity(0))
+    assert f"native convolutions: {cpus} threads" in (tmp_path / "out" / "msrun_log" / "worker_0.log").read_text()
+
+
 def job_processes(marker: str):
     process = subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True)
     return [int(pid) for pid in process.stdout.split()]
