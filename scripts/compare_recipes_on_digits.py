@@ -13,8 +13,9 @@ runs train.py once per run below, one after the other, with the same data, seed,
     cpu_fast_resnet18    configs/cifar10_resnet18_cpu_fast.yaml
 
 Every run is shortened to --epochs epochs at 32x32 (schedules follow epoch_size, so a cosine or one-cycle schedule
-still runs its whole course) and an EMA keeps the same share of the run: its window (1 / (1 - ema_decay) steps) is
-scaled by the proxy's steps over the full CIFAR-10 run's steps. The table (final top-1 of the raw and EMA weights,
+still runs its whole course), takes batches of at most 32 with its learning rate scaled linearly (the recipes'
+128 and 256 would leave 10 and 5 steps an epoch), and an EMA keeps the same share of the run: its window
+(1 / (1 - ema_decay) steps) is scaled by the proxy's steps over the full CIFAR-10 run's steps. The table (final top-1 of the raw and EMA weights,
 best raw top-1 over the epochs) is printed and written to OUTPUT/comparison.md and comparison.json; each run's
 log, metrics.csv and checkpoints are in OUTPUT/NAME. A run whose folder already holds a finished run of the same
 command is reused. Accuracy on 500 digit images moves by about a point between seeds: read small gaps as ties.
@@ -27,7 +28,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -38,6 +39,10 @@ from src.errors import UserError  # noqa: E402
 from src.model_utils.config import load_config  # noqa: E402
 
 CIFAR10_TRAIN_IMAGES = 50000
+# 1,297 images make 10 steps an epoch at the recipes' batch of 128 and 5 at 256: their warmups and schedules, made
+# for 391 steps an epoch, would run in a handful of steps (the ResNet-50 recipe diverged in its 10 warmup steps).
+# On the proxy every run takes batches of at most 32 (the reference's), 40 steps an epoch.
+PROXY_BATCH_SIZE = 32
 RESNET50_CIFAR_STEM = "configs/cifar10_resnet50_cifar_stem.yaml"
 RESNET18_CPU_FAST = "configs/cifar10_resnet18_cpu_fast.yaml"
 
@@ -64,16 +69,25 @@ def proxy_ema_decay(settings: Dict, epochs: int) -> float:
     decay = float(settings.get("ema_decay", 0.0))
     if decay <= 0:
         return 0.0
-    batch = int(settings["batch_size"])
-    full_steps = math.ceil(CIFAR10_TRAIN_IMAGES / batch) * int(settings["epoch_size"])
-    proxy_steps = (TRAIN_IMAGES // batch) * epochs
+    full_steps = math.ceil(CIFAR10_TRAIN_IMAGES / int(settings["batch_size"])) * int(settings["epoch_size"])
+    proxy_steps = (TRAIN_IMAGES // proxy_batch_and_lr(settings)[0]) * epochs
     window = max(2.0, (1.0 / (1.0 - decay)) * proxy_steps / full_steps)
     return round(1.0 - 1.0 / window, 4)
+
+
+def proxy_batch_and_lr(settings: Dict) -> Tuple[int, float]:
+    """The batch size a run uses on the proxy (at most PROXY_BATCH_SIZE) and its learning rate, scaled linearly
+    with the batch (Goyal et al., 2017) when the batch shrinks."""
+    batch = int(settings["batch_size"])
+    if batch <= PROXY_BATCH_SIZE:
+        return batch, float(settings["lr"])
+    return PROXY_BATCH_SIZE, float(settings["lr"]) * PROXY_BATCH_SIZE / batch
 
 
 def run_command(name: str, args: argparse.Namespace) -> List[str]:
     config_file, extra, _ = RUNS[name]
     settings = recipe_settings(config_file)
+    batch, lr = proxy_batch_and_lr(settings)
     command = [sys.executable, str(ROOT / "train.py")]
     if config_file:
         command += ["--config_path", str(ROOT / config_file)]
@@ -83,6 +97,8 @@ def run_command(name: str, args: argparse.Namespace) -> List[str]:
         "--image_height", "32", "--image_width", "32", "--epoch_size", str(args.epochs), "--eval_interval", "1",
         "--seed", str(args.seed), "--log_interval", "1000", "--keep_checkpoint_max", "1",
         "--output_path", str(args.output_path / name)]
+    if batch != int(settings["batch_size"]):
+        command += ["--batch_size", str(batch), "--lr", f"{lr:g}"]
     if float(settings.get("ema_decay", 0.0)) > 0:
         command += ["--ema_decay", str(proxy_ema_decay(settings, args.epochs))]
     return command

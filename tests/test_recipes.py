@@ -93,14 +93,16 @@ def test_compare_script_refuses_an_unknown_run(tmp_path):
 def test_proxy_ema_keeps_the_recipes_share_of_the_run():
     sys.path.insert(0, str(REPO / "scripts"))
     try:
-        from compare_recipes_on_digits import proxy_ema_decay
+        from compare_recipes_on_digits import proxy_batch_and_lr, proxy_ema_decay
     finally:
         sys.path.remove(str(REPO / "scripts"))
-    recipe = {"ema_decay": 0.9999, "batch_size": 128, "epoch_size": 200}
-    # 10,000 of 78,200 steps on CIFAR-10; 120 proxy steps (10 a epoch, 12 epochs) -> a window of 15.3 steps.
-    assert proxy_ema_decay(recipe, 12) == pytest.approx(1 - 1 / (10000 * 120 / 78200), abs=1e-4)
+    recipe = {"ema_decay": 0.9999, "batch_size": 128, "epoch_size": 200, "lr": 0.1}
+    # 10,000 of 78,200 steps on CIFAR-10; 480 proxy steps (batch 32: 40 an epoch, 12 epochs) -> 61.4 steps.
+    assert proxy_ema_decay(recipe, 12) == pytest.approx(1 - 1 / (10000 * 480 / 78200), abs=1e-4)
     assert proxy_ema_decay({**recipe, "ema_decay": 0.0}, 12) == 0.0
-    assert proxy_ema_decay(recipe, 1) == 0.5  # never a window under 2 steps
+    assert proxy_ema_decay({**recipe, "ema_decay": 0.99}, 1) == 0.5  # never a window under 2 steps
+    assert proxy_batch_and_lr(recipe) == (32, pytest.approx(0.025))  # the linear scaling rule
+    assert proxy_batch_and_lr({**recipe, "batch_size": 16}) == (16, 0.1)
 
 
 @pytest.mark.slow
