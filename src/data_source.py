@@ -4,7 +4,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from src.cifar_download import download_cifar10
-from src.dataset import TEST_FILE, TRAIN_FILES, cifar_files, is_synthetic, not_cifar10_label
+from src.dataset import (NOT_CIFAR10, SYNTHETIC_MARKER, TEST_FILE, TRAIN_FILES, cifar_files, is_synthetic,
+                         not_cifar10_kind)
 from src.errors import UserError
 from src.synthetic_data import write_synthetic_cifar
 
@@ -13,11 +14,12 @@ from src.synthetic_data import write_synthetic_cifar
 class DataSource:
     train_path: str
     eval_path: str
-    label: str  # "" for CIFAR-10, else how outputs name the data (src.dataset.not_cifar10_label)
+    label: str = ""  # "" for CIFAR-10, else how outputs name the data (src.dataset.NOT_CIFAR10)
+    what: str = ""  # what that data is
 
     @property
     def synthetic(self) -> bool:
-        return self.label == "SYNTHETIC data"
+        return self.label == NOT_CIFAR10[SYNTHETIC_MARKER][0]
 
     @property
     def tag(self) -> str:
@@ -25,9 +27,8 @@ class DataSource:
         return f" [{self.label}, not CIFAR-10]" if self.label else ""
 
     def describe(self) -> str:
-        kinds = {"": "CIFAR-10", "SYNTHETIC data": "SYNTHETIC data (generated coloured squares, not CIFAR-10)",
-                 "DIGITS proxy data": "DIGITS proxy data (scikit-learn's handwritten digits, not CIFAR-10)"}
-        return f"{kinds[self.label]}: train {self.train_path}, eval {self.eval_path}"
+        kind = f"{self.label} ({self.what}, not CIFAR-10)" if self.label else "CIFAR-10"
+        return f"{kind}: train {self.train_path}, eval {self.eval_path}"
 
 
 def _has_any(folder: str, names) -> bool:
@@ -56,5 +57,7 @@ def prepare_data(config, logger: logging.Logger, training: bool = True) -> DataS
     if config.synthetic_data and not is_synthetic(data_path):
         raise UserError(f"synthetic_data is true but {data_path} holds other data; point data_path at an empty or "
                         "synthetic folder, or set synthetic_data false")
-    label = not_cifar10_label(eval_path) or not_cifar10_label(data_path) if training else not_cifar10_label(eval_path)
-    return DataSource(train_path=data_path, eval_path=eval_path, label=label)
+    kind = not_cifar10_kind(eval_path)
+    if training and not kind[0]:
+        kind = not_cifar10_kind(data_path)
+    return DataSource(data_path, eval_path, *kind)

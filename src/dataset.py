@@ -59,13 +59,19 @@ def is_synthetic(folder: str) -> bool:
     return (Path(folder) / SYNTHETIC_MARKER).is_file()
 
 
-def not_cifar10_label(folder: str) -> str:
-    """How outputs label a CIFAR-format folder that is not CIFAR-10 (from its marker file); "" for CIFAR-10."""
-    if is_synthetic(folder):
-        return "SYNTHETIC data"
-    if (Path(folder) / DIGITS_MARKER).is_file():
-        return "DIGITS proxy data"
-    return ""
+# The CIFAR-format folders that are not CIFAR-10, by the marker file their writer leaves: (the label every output
+# carries, what the data is).
+NOT_CIFAR10 = {SYNTHETIC_MARKER: ("SYNTHETIC data", "generated coloured squares"),
+               DIGITS_MARKER: ("DIGITS proxy data", "scikit-learn's handwritten digits")}
+
+
+def not_cifar10_kind(folder: str) -> Tuple[str, str]:
+    """(label, description) of a CIFAR-format folder that is not CIFAR-10 (from its marker file); ("", "") for
+    CIFAR-10."""
+    for marker, kind in NOT_CIFAR10.items():
+        if (Path(folder) / marker).is_file():
+            return kind
+    return "", ""
 
 
 def shard_indices(total: int, training: bool, rank_size: int = 1, rank_id: int = 0, num_samples: int = 0,
