@@ -175,10 +175,12 @@ def main() -> int:
     if "torch" in frameworks and (torch_version is None or _import_version("torchvision") is None):
         print("PyTorch/torchvision not usable: measuring MindSpore only", file=sys.stderr)
         frameworks = [f for f in frameworks if f != "torch"]
-    onnxruntime_version = _import_version("onnxruntime")
-    if "onnxruntime" in frameworks and (onnxruntime_version is None or "eval" not in args.modes):
-        if "eval" in args.modes:
+    onnxruntime_version = None
+    if "onnxruntime" in frameworks and "eval" in args.modes:  # it measures inference only
+        onnxruntime_version = _import_version("onnxruntime")
+        if onnxruntime_version is None:
             print("onnxruntime not usable: measuring inference without it", file=sys.stderr)
+    if onnxruntime_version is None:
         frameworks = [f for f in frameworks if f != "onnxruntime"]
     gemm_backends = [b for b in GEMM_BACKENDS if b != "torch" or torch_version is not None]
 

@@ -265,14 +265,9 @@ class ResNet(nn.Cell):
         x = self.maxpool(self.relu(conv_bn(self.conv1, self.bn1, x)))
         if self.to_blocks is not None and self.training and x.dtype == mstype.float32:
             x = self.to_blocks(x)
-            for block in self.layer1:
-                x = block(x, True)
-            for block in self.layer2:
-                x = block(x, True)
-            for block in self.layer3:
-                x = block(x, True)
-            for block in self.layer4:
-                x = block(x, True)
+            for layer in (self.layer1, self.layer2, self.layer3, self.layer4):
+                for block in layer:  # each block told its input is blocked: SequentialCell passes one argument
+                    x = block(x, True)
             x = self.from_blocks(x)
         else:
             x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
