@@ -4,13 +4,16 @@
 
 CIFAR-10 cannot be downloaded everywhere, and a full recipe takes days on a CPU. This writes scikit-learn's
 handwritten digits as a CIFAR-format folder (src/digits_proxy.py: 1,297 training and 500 test images, 32x32) and
-runs train.py once per run below, one after the other, with the same data, seed, input size and number of epochs:
+runs train.py (or its PyTorch twin) once per run below, one after the other, with the same data, seed, input size and number of epochs:
 
     reference_imagenet   default_config.yaml (the reference recipe: Adam, constant lr), ImageNet stem
     reference_cifar      the same with the CIFAR stem
     recipe_cifar         configs/cifar10_resnet50_cifar_stem.yaml (EMA on)
     recipe_imagenet      the same config with the ImageNet stem
     cpu_fast_resnet18    configs/cifar10_resnet18_cpu_fast.yaml
+    recipe_cifar_sgd     recipe_cifar without AutoAugment, random erasing and EMA (its SGD core)
+    torch_recipe_cifar_sgd  the same in PyTorch (scripts/torch_sgd_twin.py, torchvision's ResNet-50): tells the
+                         port's behaviour from the recipe's
 
 Every run is shortened to --epochs epochs at 32x32 (schedules follow epoch_size, so a cosine or one-cycle schedule
 still runs its whole course), takes batches of at most 32 with its learning rate scaled linearly (the recipes'
@@ -28,7 +31,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -46,7 +49,11 @@ PROXY_BATCH_SIZE = 32
 RESNET50_CIFAR_STEM = "configs/cifar10_resnet50_cifar_stem.yaml"
 RESNET18_CPU_FAST = "configs/cifar10_resnet18_cpu_fast.yaml"
 
-# name: (config file or None for default_config.yaml, extra arguments, description)
+TRAIN = "train.py"
+TORCH_TWIN = "scripts/torch_sgd_twin.py"
+SGD_CORE = ["--auto_augment", "none", "--random_erasing", "0", "--ema_decay", "0"]
+
+# name: (config file or None for default_config.yaml, extra arguments, description[, script: train.py])
 RUNS = {
     "reference_imagenet": (None, ["--model_name", "resnet50", "--stem", "imagenet"],
                            "reference recipe, ResNet-50, ImageNet stem"),
@@ -56,12 +63,16 @@ RUNS = {
     "recipe_imagenet": (RESNET50_CIFAR_STEM, ["--stem", "imagenet"],
                         "cifar10_resnet50_cifar_stem.yaml with the ImageNet stem"),
     "cpu_fast_resnet18": (RESNET18_CPU_FAST, [], "cifar10_resnet18_cpu_fast.yaml (ResNet-18, CIFAR stem)"),
+    "recipe_cifar_sgd": (RESNET50_CIFAR_STEM, SGD_CORE,
+                         "recipe_cifar without AutoAugment, random erasing, EMA (MindSpore)"),
+    "torch_recipe_cifar_sgd": (RESNET50_CIFAR_STEM, SGD_CORE, "the same in PyTorch (torchvision's ResNet-50)",
+                               TORCH_TWIN),
 }
 
 
-def recipe_settings(config_file: Optional[str]) -> Dict:
-    """The recipe's configuration as train.py reads it (default_config.yaml overlaid by config_file)."""
-    return load_config(["--config_path", str(ROOT / config_file)] if config_file else []).to_dict()
+def recipe_settings(config_file: Optional[str], extra: Sequence[str] = ()) -> Dict:
+    """The run's configuration as train.py reads it (default_config.yaml overlaid by config_file, then extra)."""
+    return load_config((["--config_path", str(ROOT / config_file)] if config_file else []) + list(extra)).to_dict()
 
 
 def proxy_ema_decay(settings: Dict, epochs: int) -> float:
@@ -85,10 +96,10 @@ def proxy_batch_and_lr(settings: Dict) -> Tuple[int, float]:
 
 
 def run_command(name: str, args: argparse.Namespace) -> List[str]:
-    config_file, extra, _ = RUNS[name]
-    settings = recipe_settings(config_file)
+    config_file, extra, _, *script = RUNS[name]
+    settings = recipe_settings(config_file, extra)
     batch, lr = proxy_batch_and_lr(settings)
-    command = [sys.executable, str(ROOT / "train.py")]
+    command = [sys.executable, str(ROOT / (script[0] if script else TRAIN))]
     if config_file:
         command += ["--config_path", str(ROOT / config_file)]
     command += extra + [

@@ -119,3 +119,62 @@ def test_recipe_config_trains(name, digits_dir, tmp_path):
     assert 0.0 <= float(row["top1"]) <= 1.0 and float(row["train_loss"]) > 0
     assert bool(row["ema_top1"]) == (name == "cifar10_resnet50_cifar_stem.yaml")
     assert "DIGITS proxy data, not CIFAR-10" in process.stdout + process.stderr
+
+
+def _compare_module():
+    sys.path.insert(0, str(REPO / "scripts"))
+    try:
+        import compare_recipes_on_digits
+    finally:
+        sys.path.remove(str(REPO / "scripts"))
+    return compare_recipes_on_digits
+
+
+def test_compare_runs_the_recipes_sgd_core_in_both_frameworks(tmp_path):
+    """recipe_cifar_sgd and its PyTorch twin get the same arguments; only the script differs."""
+    compare = _compare_module()
+    import argparse
+    args = argparse.Namespace(data_path=tmp_path / "digits", output_path=tmp_path / "out", epochs=12, seed=1)
+    ours, twin = (compare.run_command(name, args) for name in ("recipe_cifar_sgd", "torch_recipe_cifar_sgd"))
+    assert ours[1].endswith("train.py") and twin[1].endswith("torch_sgd_twin.py")
+    assert [a.replace("recipe_cifar_sgd", "X") for a in ours[2:]] == \
+        [a.replace("torch_recipe_cifar_sgd", "X") for a in twin[2:]]
+    assert ours[ours.index("--auto_augment") + 1] == "none" and ours[ours.index("--ema_decay") + 1] == "0"
+    assert ours.count("--ema_decay") == 1  # the EMA is off, not re-enabled by the window scaling
+    assert ours[ours.index("--lr") + 1] == "0.025"  # the recipe's lr scaled to the proxy's batch of 32
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("extra, fragments", [
+    ([], ["optimizer", "'adam'"]),  # default_config.yaml: the reference's Adam
+    (["--config_path", "configs/cifar10_resnet50_cifar_stem.yaml"], ["auto_augment", "--auto_augment none"]),
+    (["--config_path", "configs/cifar10_resnet50_cifar_stem.yaml", "--auto_augment", "none", "--random_erasing", "0",
+      "--ema_decay", "0", "--image_height", "64"], ["image_height"]),
+])
+def test_torch_twin_refuses_what_it_does_not_reproduce(extra, fragments, tmp_path):
+    process = run_script("scripts/torch_sgd_twin.py", ["--data_path", str(tmp_path), "--output_path",
+                                                       str(tmp_path / "out")] + extra)
+    assert_one_line_error(process, *fragments)
+    assert not (tmp_path / "out" / "metrics.csv").exists()
+
+
+@pytest.mark.slow
+def test_torch_twin_trains_on_train_pys_schedule(digits_dir, tmp_path):
+    """The twin trains torchvision's network on the proxy and logs train.py's per-step learning rates; a folder
+    without the data is refused in one line."""
+    from src.lr_schedule import build_lr_schedule
+    args = ["--config_path", "configs/cifar10_resnet50_cifar_stem.yaml", "--auto_augment", "none",
+            "--random_erasing", "0", "--ema_decay", "0", "--model_name", "resnet18", "--batch_size", "32",
+            "--lr", "0.05", "--epoch_size", "2", "--train_num_samples", "96", "--eval_num_samples", "100",
+            "--threads", "2"]
+    process = run_script("scripts/torch_sgd_twin.py", ["--data_path", str(digits_dir), "--output_path",
+                                                       str(tmp_path / "out")] + args)
+    assert process.returncode == 0, process.stdout[-2000:] + process.stderr[-2000:]
+    fields, rows = read_metrics(tmp_path / "out")
+    assert fields[:4] == ["epoch", "lr", "train_loss", "top1"] and len(rows) == 2
+    rates = build_lr_schedule("cosine", 0.05, 2, 3, warmup_epochs=1)  # 96 images: 3 steps an epoch
+    assert [float(row["lr"]) for row in rows] == pytest.approx([rates[2], rates[5]], rel=1e-5)
+    assert all(np.isfinite(float(row["train_loss"])) and 0 <= float(row["top1"]) <= 1 for row in rows)
+    missing = run_script("scripts/torch_sgd_twin.py", ["--data_path", str(tmp_path / "none"), "--output_path",
+                                                       str(tmp_path / "out2")] + args)
+    assert_one_line_error(missing, str(tmp_path / "none"), "--data_path")
