@@ -34,8 +34,8 @@ from src.architectures import MODEL_NAMES as ARCHITECTURES  # not src.resnet's: 
 from src.atomic_file import write_text_atomic
 from src.benchmark import (GEMM_BACKENDS, Measurement, check_recipe, export_onnx_here, export_onnx_in_subprocess,
                            flops_per_image, forward_macs, forward_macs_in_subprocess,
-                           measure_gemm_here, measure_gemm_in_subprocess, measure_here, measure_in_subprocess, table,
-                           to_json)
+                           measure_gemm_here, measure_gemm_in_subprocess, measure_here, measure_in_subprocess,
+                           measure_train_py, table, to_json)
 from src.errors import OneLineArgumentParser, UserError, run_cli
 from src.model_utils.config import CHOICES
 
@@ -81,6 +81,12 @@ def _recipes(text: str) -> List[str]:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+# --isa avx2: each framework's switch. oneDNN (MindSpore's, the native convolutions' and PyTorch's), PyTorch's own
+# kernels, MKL (PyTorch's GEMMs) and OpenBLAS (numpy's GEMM reference).
+AVX2_CAP = {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+            "OPENBLAS_CORETYPE": "Haswell"}
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     parser = OneLineArgumentParser(prog="benchmark.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", type=_sizes, default="32,224", help="input sizes, comma separated")
@@ -111,6 +117,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "activations reordered to the plain layout around every native convolution "
                              "(e.g. O0,O2,O3,O0-sink,O0-plain); "
                              "the first is compared with PyTorch, all of them with the first")
+    parser.add_argument("--isa", choices=("native", "avx2"), default="native",
+                        help="instruction set: native (what the CPU has, or ONEDNN_MAX_CPU_ISA if you set it), or "
+                             "avx2 (every framework capped at AVX2, as on a CPU without AVX-512; onnxruntime has no "
+                             "such switch and is left out)")
+    parser.add_argument("--train_py", action="store_true",
+                        help="also time a real train.py run per training size and round (generated data, the same "
+                             "batch and threads; its second epoch's steps), next to the benchmark's training step")
     parser.add_argument("--output", default="benchmark.json")
     parser.add_argument("--worker", choices=WORKERS, help=argparse.SUPPRESS)
     parser.add_argument("--onnx_path", default="", help=argparse.SUPPRESS)  # the onnxruntime workers' file
@@ -134,7 +147,7 @@ def run_worker(args: argparse.Namespace) -> object:
 
 
 def measure_models(args: argparse.Namespace, frameworks: List[str], macs: Dict[int, int],
-                   onnx_files: Dict[int, str]) -> List[Measurement]:
+                   onnx_files: Dict[int, str], work_folder: str) -> List[Measurement]:
     """Every (framework, mode, size, recipe) measurement, each in its own worker process, over --rounds rounds.
 
     Several rounds alternate the frameworks over the whole run, so a slow phase of the machine hits each; each
@@ -145,15 +158,21 @@ def measure_models(args: argparse.Namespace, frameworks: List[str], macs: Dict[i
             for mode in args.modes:
                 runs = [(framework, recipe) for framework in frameworks if mode == "eval" or framework != "onnxruntime"
                         for recipe in (args.recipes if framework == "mindspore" and mode == "train" else [""])]
+                if mode == "train" and args.train_py:
+                    runs.append(("train.py", ""))
                 for framework, recipe in runs:
                     steps = args.steps or (5 if size <= 64 else 1)
                     what = f"{framework} {recipe}".strip()
                     print(f"measuring {what} {mode} {size}x{size} (round {round_number} of {args.rounds}) ...",
                           file=sys.stderr, flush=True)
-                    measurement = measure_in_subprocess(
-                        framework, mode, args.model_name, size, args.batch_size, args.threads, args.warmup,
-                        args.repeats, steps, args.conv_implementation, args.inference_network, recipe or "O0",
-                        onnx_files.get(size, "") if framework == "onnxruntime" else "")
+                    if framework == "train.py":  # as many timed steps as the worker's, and at least 6
+                        measurement = measure_train_py(args.model_name, size, args.batch_size, args.threads,
+                                                       max(6, args.repeats * steps), work_folder)
+                    else:
+                        measurement = measure_in_subprocess(
+                            framework, mode, args.model_name, size, args.batch_size, args.threads, args.warmup,
+                            args.repeats, steps, args.conv_implementation, args.inference_network, recipe or "O0",
+                            onnx_files.get(size, "") if framework == "onnxruntime" else "")
                     key = (framework, mode, size, recipe)
                     if key in measurements:
                         measurement = replace(measurement, seconds_per_step=measurements[key].seconds_per_step +
@@ -171,6 +190,12 @@ def main() -> int:
     if not output.parent.is_dir():  # found out now, not after minutes of measuring
         raise UserError(f"--output {output}: folder {output.parent} does not exist")
     frameworks = args.frameworks
+    if args.isa == "avx2":  # the workers inherit it; set before any of them starts
+        os.environ.update(AVX2_CAP)
+        if "onnxruntime" in frameworks:
+            print("--isa avx2: onnxruntime has no switch to cap its instruction set: measuring without it",
+                  file=sys.stderr)
+            frameworks = [f for f in frameworks if f != "onnxruntime"]
     torch_version = _import_version("torch")
     if "torch" in frameworks and (torch_version is None or _import_version("torchvision") is None):
         print("PyTorch/torchvision not usable: measuring MindSpore only", file=sys.stderr)
@@ -194,7 +219,8 @@ def main() -> int:
 
     print(f"counting {args.model_name} FLOPs ...", file=sys.stderr, flush=True)
     macs = forward_macs_in_subprocess(args.model_name, args.sizes, args.threads)
-    with tempfile.TemporaryDirectory(prefix="benchmark-onnx-") as onnx_folder:
+    with tempfile.TemporaryDirectory(prefix="benchmark-") as work_folder:
+        onnx_folder = work_folder
         onnx_files = {}
         if "onnxruntime" in frameworks:
             for size in args.sizes:
@@ -204,11 +230,13 @@ def main() -> int:
         # GEMM both before and after the models: the machine has slow phases, and the two rounds show drift across
         # the run; the reference pools both rounds' timings, so one phase doesn't decide it.
         gemms = measure_gemms("before")
-        measurements = measure_models(args, frameworks, macs, onnx_files)
+        measurements = measure_models(args, frameworks, macs, onnx_files, work_folder)
     gemms += measure_gemms("after")
     environment = {"date": datetime.date.today().isoformat(), "machine": platform.machine(),
                    "processor": _cpu_name(), "cores": str(os.cpu_count()), "python": platform.python_version(),
-                   "mindspore": importlib.metadata.version("mindspore"), "model": args.model_name}
+                   "mindspore": importlib.metadata.version("mindspore"), "model": args.model_name,
+                   "isa": "avx2 (" + ", ".join(f"{k}={v}" for k, v in AVX2_CAP.items()) + ")"
+                   if args.isa == "avx2" else "native"}
     ran = {(m.conv_implementation, m.onednn_max_cpu_isa) for m in measurements if m.framework == "mindspore"}
     if ran:  # what the MindSpore workers resolved (the same in each)
         environment["mindspore_convolutions"] = ", ".join(sorted(r[0] for r in ran))

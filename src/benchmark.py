@@ -281,6 +281,31 @@ def measure_in_subprocess(framework: str, mode: str, model_name: str, image_size
     return Measurement(**_run_worker(args, threads, f"{framework} {mode} {image_size} {recipe}"))
 
 
+TRAIN_PY_STEP_LINE = re.compile(r"epoch 2/2 step \d+/\d+ loss \S+ lr \S+ ([0-9.]+) images/s")
+
+
+def measure_train_py(model_name: str, image_size: int, batch_size: int, threads: int, steps: int,
+                     work_folder: str) -> Measurement:
+    """Seconds per step of a real train.py run (the default recipe on generated CIFAR-format data, at image_size,
+    batch_size, `threads` threads as its OMP_NUM_THREADS): two epochs of `steps` steps, logging every step; the
+    second epoch's steps are timed (the first compiles). What a user's run gets, for comparison with the worker's
+    bare training step."""
+    output = Path(work_folder) / f"train-{image_size}"
+    command = [sys.executable, str(REPO / "train.py"), "--model_name", model_name,
+               "--data_path", str(Path(work_folder) / "data"), "--synthetic_data", "true", "--download", "false",
+               "--image_height", str(image_size), "--image_width", str(image_size), "--batch_size", str(batch_size),
+               "--epoch_size", "2", "--train_num_samples", str(batch_size * steps), "--eval_interval", "2",
+               "--eval_num_samples", str(batch_size), "--log_interval", "1", "--keep_checkpoint_max", "1",
+               "--output_path", str(output)]
+    process = subprocess.run(command, cwd=REPO, env=_worker_env(threads), capture_output=True, text=True)
+    if process.returncode != 0:
+        raise RuntimeError(f"train.py {image_size}x{image_size}: failed:\n{(process.stdout + process.stderr)[-3000:]}")
+    rates = [float(rate) for rate in TRAIN_PY_STEP_LINE.findall(process.stdout + process.stderr)]
+    if len(rates) != steps:
+        raise RuntimeError(f"train.py {image_size}x{image_size}: {len(rates)} step lines in epoch 2, not {steps}")
+    return Measurement("train.py", "train", image_size, batch_size, threads, [batch_size / rate for rate in rates])
+
+
 def measure_gemm_here(backend: str, n: int, threads: int, warmup: int, repeats: int,
                       conv_implementation: str = "auto") -> GemmMeasurement:
     """Times `repeats` products of two random n x n float32 matrices after max(warmup, 1) untimed ones (the first
@@ -414,6 +439,8 @@ def table(measurements: Sequence[Measurement], gemms: Sequence[GemmMeasurement] 
         rows += ["", memory_table(main, keys)]
     if len(recipes) > 1:
         rows += ["", recipe_table(measurements, recipes)]
+    if any(m.framework == "train.py" for m in measurements):
+        rows += ["", train_py_table(measurements)]
     if gemms:
         phases = list(dict.fromkeys(g.phase for g in gemms))
         timings = sum(len(g.seconds) for g in gemms if g.backend == gemms[0].backend)
@@ -424,6 +451,7 @@ def table(measurements: Sequence[Measurement], gemms: Sequence[GemmMeasurement] 
             notes += [f"ONEDNN_MAX_CPU_ISA={isa}"] if backend == "mindspore" else []
             return f"{backend} {rates[backend]:.1f} ({', '.join(notes)})"
         described = ", ".join(map(describe, rates))
+        rows += [""] if rows[-1].startswith("|") else []  # a line right under a table would read as its last row
         rows.append(f"GEMM: fp32 {gemms[0].n}x{gemms[0].n} matrix products, {gemms[0].threads} threads, median of "
                     f"{timings} per backend ({' and '.join(phases)} the models): {described} GFLOP/s; "
                     f"% of GEMM is against the fastest, {reference:.1f} GFLOP/s.")
@@ -459,6 +487,20 @@ def recipe_table(measurements: Sequence[Measurement], recipes: Sequence[str]) ->
         cells = [f"{rate:.1f}" if rate else "-" for rate in rates]
         cells += [f"{rate / rates[0]:.2f}x" if rate and rates[0] else "-" for rate in rates[1:]]
         rows.append(f"| {size}x{size} | {first.batch_size} | " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
+def train_py_table(measurements: Sequence[Measurement]) -> str:
+    """Markdown table: a real train.py run's training images/s next to the benchmark's MindSpore training step."""
+    rows = ["| input | batch | benchmark.py MindSpore img/s | train.py img/s | train.py / benchmark.py |",
+            "|---|---|---|---|---|"]
+    bench = {m.image_size: m for m in measurements if m.framework == "mindspore" and m.mode == "train"
+             and m.recipe in ("", "O0")}
+    for run in sorted((m for m in measurements if m.framework == "train.py"), key=lambda m: m.image_size):
+        ours = bench.get(run.image_size)
+        rows.append(f"| {run.image_size}x{run.image_size} | {run.batch_size} | "
+                    f"{f'{ours.images_per_second:.1f}' if ours else '-'} | {run.images_per_second:.1f} | "
+                    f"{f'{run.images_per_second / ours.images_per_second:.2f}x' if ours else '-'} |")
     return "\n".join(rows)
 
 

@@ -221,6 +221,44 @@ def test_a_training_recipe_runs_as_train_py_builds_it(recipe, conv):
     assert measurement.images_per_second > 0
 
 
+def test_train_py_table_puts_a_real_run_beside_the_benchmarks_step():
+    measurements = [Measurement("mindspore", "train", 32, 8, 2, [1.0], recipe="O0"),
+                    Measurement("mindspore", "train", 32, 8, 2, [4.0], recipe="O2"),
+                    Measurement("train.py", "train", 32, 8, 2, [2.0, 2.0, 1.0])]
+    text = table(measurements)
+    assert "| input | batch | benchmark.py MindSpore img/s | train.py img/s | train.py / benchmark.py |" in text
+    assert "| 32x32 | 8 | 8.0 | 4.0 | 0.50x |" in text  # against the O0 step, which train.py runs on a CPU
+    assert "| train | 32x32 | 8 | 2 | 8.0 | - |" in text  # the main table still shows the benchmark's own step
+
+
+@pytest.mark.slow
+def test_train_py_measurement_times_a_real_train_py_run(tmp_path):
+    """--train_py runs train.py itself: two epochs, the second one's steps timed from its own log lines."""
+    from src.benchmark import measure_train_py
+    measurement = measure_train_py("resnet18", 32, 4, 2, 6, str(tmp_path))
+    assert measurement.framework == "train.py" and len(measurement.seconds_per_step) == 6
+    assert all(seconds > 0 for seconds in measurement.seconds_per_step)
+    from conftest import read_metrics
+    _, rows = read_metrics(tmp_path / "train-32")
+    assert [row["epoch"] for row in rows] == ["1", "2"] and rows[1]["top1"]  # a whole run, evaluated at its end
+
+
+@pytest.mark.slow
+def test_isa_avx2_caps_every_framework_and_leaves_onnxruntime_out(tmp_path):
+    output = tmp_path / "bench.json"
+    process = run_script("benchmark.py", ["--isa", "avx2", "--sizes", "32", "--modes", "eval", "--model_name",
+                                          "resnet18", "--batch_size", "2", "--repeats", "1", "--warmup", "1",
+                                          "--steps", "1", "--gemm_size", "256", "--output", str(output)], timeout=300)
+    assert process.returncode == 0, process.stderr[-3000:]
+    assert "onnxruntime has no switch" in process.stderr
+    result = json.loads(output.read_text())
+    assert "onnxruntime" not in [m["framework"] for m in result["measurements"]]
+    ours = next(m for m in result["measurements"] if m["framework"] == "mindspore")
+    assert ours["onednn_max_cpu_isa"] == "AVX2" and ours["conv_implementation"] == "onednn_blocked"
+    assert result["environment"]["isa"].startswith("avx2 (ONEDNN_MAX_CPU_ISA=AVX2, ATEN_CPU_CAPABILITY=avx2")
+    assert {g["onednn_max_cpu_isa"] for g in result["gemm"]["measurements"]} == {"AVX2"}
+
+
 def test_missing_output_folder_is_refused_before_measuring(tmp_path):
     assert_one_line_error(run_script("benchmark.py", ["--output", str(tmp_path / "no" / "b.json")], timeout=60),
                           "--output", "does not exist")
