@@ -14,14 +14,16 @@ runs train.py (or its PyTorch twin) once per run below, one after the other, wit
     recipe_cifar_sgd     recipe_cifar without AutoAugment, random erasing and EMA (its SGD core)
     torch_recipe_cifar_sgd  the same in PyTorch (scripts/torch_sgd_twin.py, torchvision's ResNet-50): tells the
                          port's behaviour from the recipe's
+    reference_imagenet_batch64  reference_imagenet at batch 64 with the lr scaled linearly (a CPU default candidate)
 
 Every run is shortened to --epochs epochs at 32x32 (schedules follow epoch_size, so a cosine or one-cycle schedule
-still runs its whole course), takes batches of at most 32 with its learning rate scaled linearly (the recipes'
-128 and 256 would leave 10 and 5 steps an epoch), and an EMA keeps the same share of the run: its window
-(1 / (1 - ema_decay) steps) is scaled by the proxy's steps over the full CIFAR-10 run's steps. The table (final top-1 of the raw and EMA weights,
-best raw top-1 over the epochs) is printed and written to OUTPUT/comparison.md and comparison.json; each run's
-log, metrics.csv and checkpoints are in OUTPUT/NAME. A run whose folder already holds a finished run of the same
-command is reused. Accuracy on 500 digit images moves by about a point between seeds: read small gaps as ties.
+still runs its whole course) and takes batches of at most 32 (64 for reference_imagenet_batch64), its learning
+rate scaled linearly (the recipes' 128 and 256 would leave 10 and 5 steps an epoch); an EMA keeps the same share of
+the run: its window (1 / (1 - ema_decay) steps) is scaled by the proxy's steps over the full CIFAR-10 run's steps.
+The table (final top-1 of the raw and EMA weights, best raw top-1 over the epochs) is printed and written to
+OUTPUT/comparison.md and comparison.json; each run's log, metrics.csv and checkpoints are in OUTPUT/NAME. A run whose
+folder already holds a finished run of the same command is reused. Accuracy on 500 digit images moves by about a
+point between seeds: read small gaps as ties.
 """
 import argparse
 import csv
@@ -30,6 +32,7 @@ import math
 import os
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -53,20 +56,32 @@ TRAIN = "train.py"
 TORCH_TWIN = "scripts/torch_sgd_twin.py"
 SGD_CORE = ["--auto_augment", "none", "--random_erasing", "0", "--ema_decay", "0"]
 
-# name: (config file or None for default_config.yaml, extra arguments, description[, script: train.py])
+@dataclass(frozen=True)
+class Run:
+    config_file: Optional[str]  # None: default_config.yaml alone
+    extra: Sequence[str]  # train.py arguments on top of the config
+    what: str
+    script: str = TRAIN
+    max_batch: int = PROXY_BATCH_SIZE  # larger batches shrink to it, their lr scaled linearly
+
+
 RUNS = {
-    "reference_imagenet": (None, ["--model_name", "resnet50", "--stem", "imagenet"],
-                           "reference recipe, ResNet-50, ImageNet stem"),
-    "reference_cifar": (None, ["--model_name", "resnet50", "--stem", "cifar"],
-                        "reference recipe, ResNet-50, CIFAR stem"),
-    "recipe_cifar": (RESNET50_CIFAR_STEM, [], "cifar10_resnet50_cifar_stem.yaml (CIFAR stem)"),
-    "recipe_imagenet": (RESNET50_CIFAR_STEM, ["--stem", "imagenet"],
-                        "cifar10_resnet50_cifar_stem.yaml with the ImageNet stem"),
-    "cpu_fast_resnet18": (RESNET18_CPU_FAST, [], "cifar10_resnet18_cpu_fast.yaml (ResNet-18, CIFAR stem)"),
-    "recipe_cifar_sgd": (RESNET50_CIFAR_STEM, SGD_CORE,
-                         "recipe_cifar without AutoAugment, random erasing, EMA (MindSpore)"),
-    "torch_recipe_cifar_sgd": (RESNET50_CIFAR_STEM, SGD_CORE, "the same in PyTorch (torchvision's ResNet-50)",
-                               TORCH_TWIN),
+    "reference_imagenet": Run(None, ["--model_name", "resnet50", "--stem", "imagenet"],
+                              "reference recipe, ResNet-50, ImageNet stem"),
+    "reference_cifar": Run(None, ["--model_name", "resnet50", "--stem", "cifar"],
+                           "reference recipe, ResNet-50, CIFAR stem"),
+    "recipe_cifar": Run(RESNET50_CIFAR_STEM, [], "cifar10_resnet50_cifar_stem.yaml (CIFAR stem)"),
+    "recipe_imagenet": Run(RESNET50_CIFAR_STEM, ["--stem", "imagenet"],
+                           "cifar10_resnet50_cifar_stem.yaml with the ImageNet stem"),
+    "cpu_fast_resnet18": Run(RESNET18_CPU_FAST, [], "cifar10_resnet18_cpu_fast.yaml (ResNet-18, CIFAR stem)"),
+    "recipe_cifar_sgd": Run(RESNET50_CIFAR_STEM, SGD_CORE,
+                            "recipe_cifar without AutoAugment, random erasing, EMA (MindSpore)"),
+    "torch_recipe_cifar_sgd": Run(RESNET50_CIFAR_STEM, SGD_CORE, "the same in PyTorch (torchvision's ResNet-50)",
+                                  script=TORCH_TWIN),
+    "reference_imagenet_batch64": Run(None, ["--model_name", "resnet50", "--stem", "imagenet", "--batch_size", "64",
+                                             "--lr", "0.002"],
+                                      "reference recipe at batch 64, lr 0.002 (scaled linearly), ImageNet stem",
+                                      max_batch=64),
 }
 
 
@@ -75,34 +90,34 @@ def recipe_settings(config_file: Optional[str], extra: Sequence[str] = ()) -> Di
     return load_config((["--config_path", str(ROOT / config_file)] if config_file else []) + list(extra)).to_dict()
 
 
-def proxy_ema_decay(settings: Dict, epochs: int) -> float:
+def proxy_ema_decay(settings: Dict, epochs: int, max_batch: int = PROXY_BATCH_SIZE) -> float:
     """The recipe's ema_decay with its window scaled from the full CIFAR-10 run's steps to the proxy's."""
     decay = float(settings.get("ema_decay", 0.0))
     if decay <= 0:
         return 0.0
     full_steps = math.ceil(CIFAR10_TRAIN_IMAGES / int(settings["batch_size"])) * int(settings["epoch_size"])
-    proxy_steps = (TRAIN_IMAGES // proxy_batch_and_lr(settings)[0]) * epochs
+    proxy_steps = (TRAIN_IMAGES // proxy_batch_and_lr(settings, max_batch)[0]) * epochs
     window = max(2.0, (1.0 / (1.0 - decay)) * proxy_steps / full_steps)
     return round(1.0 - 1.0 / window, 4)
 
 
-def proxy_batch_and_lr(settings: Dict) -> Tuple[int, float]:
-    """The batch size a run uses on the proxy (at most PROXY_BATCH_SIZE) and its learning rate, scaled linearly
-    with the batch (Goyal et al., 2017) when the batch shrinks."""
+def proxy_batch_and_lr(settings: Dict, max_batch: int = PROXY_BATCH_SIZE) -> Tuple[int, float]:
+    """The batch size a run uses on the proxy (at most max_batch) and its learning rate, scaled linearly with the
+    batch (Goyal et al., 2017) when the batch shrinks."""
     batch = int(settings["batch_size"])
-    if batch <= PROXY_BATCH_SIZE:
+    if batch <= max_batch:
         return batch, float(settings["lr"])
-    return PROXY_BATCH_SIZE, float(settings["lr"]) * PROXY_BATCH_SIZE / batch
+    return max_batch, float(settings["lr"]) * max_batch / batch
 
 
 def run_command(name: str, args: argparse.Namespace) -> List[str]:
-    config_file, extra, _, *script = RUNS[name]
-    settings = recipe_settings(config_file, extra)
-    batch, lr = proxy_batch_and_lr(settings)
-    command = [sys.executable, str(ROOT / (script[0] if script else TRAIN))]
-    if config_file:
-        command += ["--config_path", str(ROOT / config_file)]
-    command += extra + [
+    run = RUNS[name]
+    settings = recipe_settings(run.config_file, run.extra)
+    batch, lr = proxy_batch_and_lr(settings, run.max_batch)
+    command = [sys.executable, str(ROOT / run.script)]
+    if run.config_file:
+        command += ["--config_path", str(ROOT / run.config_file)]
+    command += list(run.extra) + [
         "--data_path", str(args.data_path), "--download", "false", "--synthetic_data", "false",
         "--train_num_samples", str(TRAIN_IMAGES), "--eval_num_samples", str(TEST_IMAGES),
         "--image_height", "32", "--image_width", "32", "--epoch_size", str(args.epochs), "--eval_interval", "1",
@@ -111,7 +126,7 @@ def run_command(name: str, args: argparse.Namespace) -> List[str]:
     if batch != int(settings["batch_size"]):
         command += ["--batch_size", str(batch), "--lr", f"{lr:g}"]
     if float(settings.get("ema_decay", 0.0)) > 0:
-        command += ["--ema_decay", str(proxy_ema_decay(settings, args.epochs))]
+        command += ["--ema_decay", str(proxy_ema_decay(settings, args.epochs, run.max_batch))]
     return command
 
 
@@ -149,7 +164,7 @@ def run_one(name: str, args: argparse.Namespace) -> Dict:
     last = rows[-1]
     ema = last.get("ema_top1") or ""
     return {
-        "run": name, "what": RUNS[name][2], "final_top1": float(last["top1"]),
+        "run": name, "what": RUNS[name].what, "final_top1": float(last["top1"]),
         "final_ema_top1": float(ema) if ema else None,
         "best_top1": max(float(row["top1"]) for row in rows if row["top1"]),
     }

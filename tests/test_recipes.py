@@ -142,6 +142,10 @@ def test_compare_runs_the_recipes_sgd_core_in_both_frameworks(tmp_path):
     assert ours[ours.index("--auto_augment") + 1] == "none" and ours[ours.index("--ema_decay") + 1] == "0"
     assert ours.count("--ema_decay") == 1  # the EMA is off, not re-enabled by the window scaling
     assert ours[ours.index("--lr") + 1] == "0.025"  # the recipe's lr scaled to the proxy's batch of 32
+    # The batch-64 candidate keeps its batch and its linearly scaled lr (the proxy's cap of 32 is per run).
+    batch64 = compare.run_command("reference_imagenet_batch64", args)
+    assert batch64.count("--batch_size") == 1 and batch64[batch64.index("--batch_size") + 1] == "64"
+    assert batch64.count("--lr") == 1 and batch64[batch64.index("--lr") + 1] == "0.002"
 
 
 @pytest.mark.slow
