@@ -3,12 +3,12 @@ inference next to onnxruntime running this project's ONNX export, with MindSpore
 the machine's fp32 matrix-product (GEMM) rate.
 
 python benchmark.py [--sizes 32,224] [--modes train,eval] [--frameworks mindspore,torch,onnxruntime]
-                    [--batch_size 32] [--repeats 3] [--rounds 1]
+                    [--batch_size 32[,64]] [--repeats 3] [--rounds 1]
                     [--gemm_size 3072] [--conv_implementation auto|onednn_blocked|mindspore]
                     [--inference_network fused|fused-blocked|fused-nhwc|resnet] [--recipes O0,O2,O3,O0-sink]
                     [--output FILE]
 
-Each (framework, mode, input size, training recipe) runs in its own process: warmup steps (compilation included) are not
+Each (framework, mode, input size, batch size, training recipe) runs in its own process: warmup steps (compilation included) are not
 timed, then --repeats timings of --steps steps; the table reports the median, pooled over --rounds rounds that
 alternate the frameworks. onnxruntime (inference only, --threads intra-op threads) runs the file export.py writes
 for a seeded network of the same shape, exported once per input size before the rounds. MindSpore runs as train.py does, with conv_implementation resolved on CPU. The GEMM rate is timed the same
@@ -21,6 +21,7 @@ import argparse
 import datetime
 import importlib
 import importlib.metadata
+import itertools
 import json
 import os
 import platform
@@ -28,7 +29,7 @@ import sys
 import tempfile
 from dataclasses import asdict, replace
 from pathlib import Path
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Tuple
 
 from src.architectures import MODEL_NAMES as ARCHITECTURES  # not src.resnet's: it would load MindSpore
 from src.atomic_file import write_text_atomic
@@ -63,6 +64,13 @@ def _sizes(text: str) -> List[int]:
         raise argparse.ArgumentTypeError(f"comma-separated input sizes: {exc}") from None
 
 
+def _batch_sizes(text: str) -> List[int]:
+    try:
+        return list(dict.fromkeys(_int_at_least(1)(part) for part in text.split(",")))
+    except argparse.ArgumentTypeError as exc:
+        raise argparse.ArgumentTypeError(f"comma-separated batch sizes: {exc}") from None
+
+
 def _names(*allowed: str) -> Callable[[str], List[str]]:
     def parse(text: str) -> List[str]:
         names = text.split(",")
@@ -94,7 +102,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--frameworks", type=_names(*FRAMEWORKS), default=",".join(FRAMEWORKS),
                         help="any of mindspore, torch, onnxruntime (inference only), comma separated")
     parser.add_argument("--model_name", choices=ARCHITECTURES, default="resnet50")
-    parser.add_argument("--batch_size", type=_int_at_least(1), default=32)
+    parser.add_argument("--batch_size", type=_batch_sizes, default="32",
+                        help="images per step; several, comma separated, are measured side by side (e.g. 32,64)")
     parser.add_argument("--threads", type=_int_at_least(1), default=os.cpu_count() or 1)
     parser.add_argument("--warmup", type=_int_at_least(0), default=2)
     parser.add_argument("--repeats", type=_int_at_least(1), default=3)
@@ -137,47 +146,46 @@ def run_worker(args: argparse.Namespace) -> object:
         classes = load_config([], prog="benchmark.py").class_num
         return {str(size): forward_macs(args.model_name, size, classes) for size in args.sizes}
     if args.worker == "onnx-export":
-        return export_onnx_here(args.model_name, args.sizes[0], args.batch_size, args.onnx_path)
+        return export_onnx_here(args.model_name, args.sizes[0], args.batch_size[0], args.onnx_path)
     if args.worker.startswith("gemm-"):
         return asdict(measure_gemm_here(args.worker[len("gemm-"):], args.gemm_size, args.threads, args.warmup,
                                         args.repeats, args.conv_implementation))
-    return asdict(measure_here(args.worker, args.modes[0], args.model_name, args.sizes[0], args.batch_size,
+    return asdict(measure_here(args.worker, args.modes[0], args.model_name, args.sizes[0], args.batch_size[0],
                                args.threads, args.warmup, args.repeats, args.steps or 1, args.conv_implementation,
                                args.inference_network, args.recipes[0], args.onnx_path))
 
 
 def measure_models(args: argparse.Namespace, frameworks: List[str], macs: Dict[int, int],
-                   onnx_files: Dict[int, str], work_folder: str) -> List[Measurement]:
-    """Every (framework, mode, size, recipe) measurement, each in its own worker process, over --rounds rounds.
+                   onnx_files: Dict[Tuple[int, int], str], work_folder: str) -> List[Measurement]:
+    """Every (framework, mode, size, batch, recipe) measurement, each in its own worker process, over --rounds rounds.
 
     Several rounds alternate the frameworks over the whole run, so a slow phase of the machine hits each; each
-    (framework, mode, size, recipe) pools its timings over the rounds. onnxruntime measures inference only."""
+    (framework, mode, size, batch, recipe) pools its timings over the rounds. onnxruntime measures inference only."""
     measurements: Dict[tuple, Measurement] = {}
     for round_number in range(1, args.rounds + 1):
-        for size in args.sizes:
-            for mode in args.modes:
-                runs = [(framework, recipe) for framework in frameworks if mode == "eval" or framework != "onnxruntime"
-                        for recipe in (args.recipes if framework == "mindspore" and mode == "train" else [""])]
-                if mode == "train" and args.train_py:
-                    runs.append(("train.py", ""))
-                for framework, recipe in runs:
-                    steps = args.steps or (5 if size <= 64 else 1)
-                    what = f"{framework} {recipe}".strip()
-                    print(f"measuring {what} {mode} {size}x{size} (round {round_number} of {args.rounds}) ...",
-                          file=sys.stderr, flush=True)
-                    if framework == "train.py":  # as many timed steps as the worker's, and at least 6
-                        measurement = measure_train_py(args.model_name, size, args.batch_size, args.threads,
-                                                       max(6, args.repeats * steps), work_folder)
-                    else:
-                        measurement = measure_in_subprocess(
-                            framework, mode, args.model_name, size, args.batch_size, args.threads, args.warmup,
-                            args.repeats, steps, args.conv_implementation, args.inference_network, recipe or "O0",
-                            onnx_files.get(size, "") if framework == "onnxruntime" else "")
-                    key = (framework, mode, size, recipe)
-                    if key in measurements:
-                        measurement = replace(measurement, seconds_per_step=measurements[key].seconds_per_step +
-                                              measurement.seconds_per_step)
-                    measurements[key] = replace(measurement, flops_per_image=flops_per_image(macs[size], mode))
+        for size, batch, mode in itertools.product(args.sizes, args.batch_size, args.modes):
+            runs = [(framework, recipe) for framework in frameworks if mode == "eval" or framework != "onnxruntime"
+                    for recipe in (args.recipes if framework == "mindspore" and mode == "train" else [""])]
+            if mode == "train" and args.train_py:
+                runs.append(("train.py", ""))
+            for framework, recipe in runs:
+                steps = args.steps or (5 if size <= 64 else 1)
+                what = f"{framework} {recipe}".strip()
+                print(f"measuring {what} {mode} {size}x{size} batch {batch} (round {round_number} of {args.rounds}) "
+                      "...", file=sys.stderr, flush=True)
+                if framework == "train.py":  # as many timed steps as the worker's, and at least 6
+                    measurement = measure_train_py(args.model_name, size, batch, args.threads,
+                                                   max(6, args.repeats * steps), work_folder)
+                else:
+                    measurement = measure_in_subprocess(
+                        framework, mode, args.model_name, size, batch, args.threads, args.warmup,
+                        args.repeats, steps, args.conv_implementation, args.inference_network, recipe or "O0",
+                        onnx_files.get((size, batch), "") if framework == "onnxruntime" else "")
+                key = (framework, mode, size, batch, recipe)
+                if key in measurements:
+                    measurement = replace(measurement, seconds_per_step=measurements[key].seconds_per_step +
+                                          measurement.seconds_per_step)
+                measurements[key] = replace(measurement, flops_per_image=flops_per_image(macs[size], mode))
     return list(measurements.values())
 
 
@@ -220,13 +228,12 @@ def main() -> int:
     print(f"counting {args.model_name} FLOPs ...", file=sys.stderr, flush=True)
     macs = forward_macs_in_subprocess(args.model_name, args.sizes, args.threads)
     with tempfile.TemporaryDirectory(prefix="benchmark-") as work_folder:
-        onnx_folder = work_folder
         onnx_files = {}
         if "onnxruntime" in frameworks:
-            for size in args.sizes:
-                print(f"exporting ONNX {size}x{size} for onnxruntime ...", file=sys.stderr, flush=True)
-                onnx_files[size] = export_onnx_in_subprocess(args.model_name, size, args.batch_size,
-                                                             str(Path(onnx_folder) / f"{size}.onnx"), args.threads)
+            for size, batch in itertools.product(args.sizes, args.batch_size):
+                print(f"exporting ONNX {size}x{size} batch {batch} for onnxruntime ...", file=sys.stderr, flush=True)
+                onnx_files[(size, batch)] = export_onnx_in_subprocess(
+                    args.model_name, size, batch, str(Path(work_folder) / f"{size}-{batch}.onnx"), args.threads)
         # GEMM both before and after the models: the machine has slow phases, and the two rounds show drift across
         # the run; the reference pools both rounds' timings, so one phase doesn't decide it.
         gemms = measure_gemms("before")

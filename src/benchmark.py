@@ -424,9 +424,9 @@ def table(measurements: Sequence[Measurement], gemms: Sequence[GemmMeasurement] 
     rows = [header, "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     recipes = list(dict.fromkeys(m.recipe for m in measurements if m.recipe))
     main = [m for m in measurements if m.recipe in ("", *recipes[:1])]  # the first recipe's training, vs PyTorch
-    keys = sorted({(m.mode, m.image_size) for m in main}, key=lambda k: (k[0] != "train", k[1]))
-    for mode, size in keys:
-        found = {m.framework: m for m in main if (m.mode, m.image_size) == (mode, size)}
+    keys = sorted({(m.mode, m.image_size, m.batch_size) for m in main}, key=lambda k: (k[0] != "train", k[1], k[2]))
+    for mode, size, batch in keys:
+        found = {m.framework: m for m in main if (m.mode, m.image_size, m.batch_size) == (mode, size, batch)}
         first = next(iter(found.values()))
         ours = found["mindspore"].gflops_per_second if "mindspore" in found else None
         per_image = None if first.flops_per_image is None else first.flops_per_image / 1e9
@@ -458,20 +458,22 @@ def table(measurements: Sequence[Measurement], gemms: Sequence[GemmMeasurement] 
     return "\n".join(rows)
 
 
-def memory_table(measurements: Sequence[Measurement], keys: Sequence[Tuple[str, int]]) -> str:
-    """Markdown table of each framework's peak resident memory during the timed steps (MB), per mode and size."""
+def memory_table(measurements: Sequence[Measurement], keys: Sequence[Tuple[str, int, int]]) -> str:
+    """Markdown table of each framework's peak resident memory during the timed steps (MB), per mode, size and
+    batch."""
     frameworks = [name for name in ("mindspore", "torch", "onnxruntime") if any(m.framework == name for m in measurements)]
     titles = {"mindspore": "MindSpore", "torch": "PyTorch", "onnxruntime": "onnxruntime"}
-    header = "| mode | input | " + " | ".join(f"{titles[name]} peak MB" for name in frameworks)
+    header = "| mode | input | batch | " + " | ".join(f"{titles[name]} peak MB" for name in frameworks)
     header += " | MindSpore / PyTorch memory |" if "torch" in frameworks and "mindspore" in frameworks else " |"
     rows = [header, "|" + "---|" * (header.count("|") - 1)]
-    for mode, size in keys:
-        found = {m.framework: m.peak_rss_bytes for m in measurements if (m.mode, m.image_size) == (mode, size)}
+    for mode, size, batch in keys:
+        found = {m.framework: m.peak_rss_bytes for m in measurements
+                 if (m.mode, m.image_size, m.batch_size) == (mode, size, batch)}
         cells = [f"{found[name] / 1e6:.0f}" if found.get(name) else "-" for name in frameworks]
         if "torch" in frameworks and "mindspore" in frameworks:
             ours, theirs = found.get("mindspore"), found.get("torch")
             cells.append(f"{ours / theirs:.2f}x" if ours and theirs else "-")
-        rows.append(f"| {mode} | {size}x{size} | " + " | ".join(cells) + " |")
+        rows.append(f"| {mode} | {size}x{size} | {batch} | " + " | ".join(cells) + " |")
     return "\n".join(rows)
 
 
@@ -480,13 +482,12 @@ def recipe_table(measurements: Sequence[Measurement], recipes: Sequence[str]) ->
     header = "| input | batch | " + " | ".join(f"{recipe} img/s" for recipe in recipes) + " | " + \
         " | ".join(f"{recipe} / {recipes[0]}" for recipe in recipes[1:]) + " |"
     rows = [header, "|" + "---|" * (2 + 2 * len(recipes) - 1)]
-    for size in sorted({m.image_size for m in measurements if m.recipe}):
-        found = {m.recipe: m for m in measurements if m.recipe and m.image_size == size}
+    for size, batch in sorted({(m.image_size, m.batch_size) for m in measurements if m.recipe}):
+        found = {m.recipe: m for m in measurements if m.recipe and (m.image_size, m.batch_size) == (size, batch)}
         rates = [found[recipe].images_per_second if recipe in found else None for recipe in recipes]
-        first = next(iter(found.values()))
         cells = [f"{rate:.1f}" if rate else "-" for rate in rates]
         cells += [f"{rate / rates[0]:.2f}x" if rate and rates[0] else "-" for rate in rates[1:]]
-        rows.append(f"| {size}x{size} | {first.batch_size} | " + " | ".join(cells) + " |")
+        rows.append(f"| {size}x{size} | {batch} | " + " | ".join(cells) + " |")
     return "\n".join(rows)
 
 
@@ -494,10 +495,11 @@ def train_py_table(measurements: Sequence[Measurement]) -> str:
     """Markdown table: a real train.py run's training images/s next to the benchmark's MindSpore training step."""
     rows = ["| input | batch | benchmark.py MindSpore img/s | train.py img/s | train.py / benchmark.py |",
             "|---|---|---|---|---|"]
-    bench = {m.image_size: m for m in measurements if m.framework == "mindspore" and m.mode == "train"
-             and m.recipe in ("", "O0")}
-    for run in sorted((m for m in measurements if m.framework == "train.py"), key=lambda m: m.image_size):
-        ours = bench.get(run.image_size)
+    bench = {(m.image_size, m.batch_size): m for m in measurements if m.framework == "mindspore"
+             and m.mode == "train" and m.recipe in ("", "O0")}
+    for run in sorted((m for m in measurements if m.framework == "train.py"), key=lambda m: (m.image_size,
+                                                                                             m.batch_size)):
+        ours = bench.get((run.image_size, run.batch_size))
         rows.append(f"| {run.image_size}x{run.image_size} | {run.batch_size} | "
                     f"{f'{ours.images_per_second:.1f}' if ours else '-'} | {run.images_per_second:.1f} | "
                     f"{f'{run.images_per_second / ours.images_per_second:.2f}x' if ours else '-'} |")

@@ -150,9 +150,21 @@ def test_memory_table_reports_each_frameworks_peak_of_the_timed_steps():
     theirs = Measurement("torch", "train", 32, 10, 2, [1.0], peak_rss_bytes=1_200_000_000)
     ort = Measurement("onnxruntime", "eval", 32, 10, 2, [1.0], peak_rss_bytes=300_000_000)
     text = table([ours, theirs, ort])
-    assert "| mode | input | MindSpore peak MB | PyTorch peak MB | onnxruntime peak MB | MindSpore / PyTorch memory |" \
-        in text
-    assert "| train | 32x32 | 900 | 1200 | - | 0.75x |" in text and "| eval | 32x32 | - | - | 300 | - |" in text
+    assert ("| mode | input | batch | MindSpore peak MB | PyTorch peak MB | onnxruntime peak MB "
+            "| MindSpore / PyTorch memory |") in text
+    assert "| train | 32x32 | 10 | 900 | 1200 | - | 0.75x |" in text and "| eval | 32x32 | 10 | - | - | 300 | - |" in text
+
+
+def test_several_batch_sizes_are_rows_of_their_own():
+    measurements = [Measurement("mindspore", "train", 32, 32, 2, [1.0], recipe="O0"),
+                    Measurement("torch", "train", 32, 32, 2, [2.0]),
+                    Measurement("mindspore", "train", 32, 64, 2, [1.5], recipe="O0"),
+                    Measurement("torch", "train", 32, 64, 2, [4.0]),
+                    Measurement("train.py", "train", 32, 64, 2, [2.0])]
+    text = table(measurements)
+    assert "| train | 32x32 | 32 | 2 | 32.0 | 16.0 | 2.00x |" in text
+    assert "| train | 32x32 | 64 | 2 | 42.7 | 16.0 | 2.67x |" in text
+    assert "| 32x32 | 64 | 42.7 | 32.0 | 0.75x |" in text  # train.py against the benchmark step of its own batch
 
 
 def test_peak_memory_is_that_of_the_timed_steps():
@@ -179,6 +191,7 @@ def test_onnxruntime_column_compares_inference_only():
 
 @pytest.mark.parametrize("args, option", [(["--sizes", "abc"], "--sizes"), (["--sizes", "32,16"], "--sizes"),
                                           (["--batch_size", "0"], "--batch_size"), (["--modes", "fit"], "--modes"),
+                                          (["--batch_size", "32,x"], "--batch_size"),
                                           (["--gemm_size", "x"], "--gemm_size"),
                                           (["--inference_network", "onnx"], "--inference_network"),
                                           (["--recipes", "O0,O4"], "--recipes"),
