@@ -6,15 +6,16 @@ python benchmark.py [--sizes 32,224] [--modes train,eval] [--frameworks mindspor
                     [--batch_size 32[,64]] [--repeats 3] [--rounds 1]
                     [--gemm_size 3072] [--conv_implementation auto|onednn_blocked|mindspore]
                     [--inference_network fused|fused-blocked|fused-nhwc|resnet] [--recipes O0,O2,O3,O0-sink]
-                    [--output FILE]
+                    [--isa native|avx2] [--train_py] [--output FILE]
 
-Each (framework, mode, input size, batch size, training recipe) runs in its own process: warmup steps (compilation included) are not
-timed, then --repeats timings of --steps steps; the table reports the median, pooled over --rounds rounds that
-alternate the frameworks. onnxruntime (inference only, --threads intra-op threads) runs the file export.py writes
-for a seeded network of the same shape, exported once per input size before the rounds. MindSpore runs as train.py does, with conv_implementation resolved on CPU. The GEMM rate is timed the same
-way (one n x n product per timing, one process per backend: MindSpore ops.matmul with the oneDNN setting its
-model workers use, numpy, and torch.mm when torch is installed) before and after the model measurements; the
-fastest backend's median is the reference. FLOPs per image are counted from the network (see
+Each (framework, mode, input size, batch size, training recipe) runs in its own process: warmup steps (compilation
+included) are not timed, then --repeats timings of --steps steps; the table reports the median, pooled over --rounds
+rounds that alternate the frameworks. onnxruntime (inference only, --threads intra-op threads) runs the file export.py
+writes for a seeded network of the same shape, exported once per input size and batch before the rounds. MindSpore
+runs as train.py does, with conv_implementation resolved on CPU; --train_py also times train.py itself. The GEMM
+rate is timed the same way (one n x n product per timing, one process per backend: MindSpore ops.matmul with the
+oneDNN setting its model workers use, numpy, and torch.mm when torch is installed) before and after the model
+measurements; the fastest backend's median is the reference. FLOPs per image are counted from the network (see
 src.benchmark.FLOP_CONVENTION). Results go to stdout as a markdown table and to --output as JSON.
 """
 import argparse

@@ -4,7 +4,8 @@
 
 CIFAR-10 cannot be downloaded everywhere, and a full recipe takes days on a CPU. This writes scikit-learn's
 handwritten digits as a CIFAR-format folder (src/digits_proxy.py: 1,297 training and 500 test images, 32x32) and
-runs train.py (or its PyTorch twin) once per run below, one after the other, with the same data, seed, input size and number of epochs:
+runs train.py (or its PyTorch twin) once per run below, one after the other, with the same data, seed, input size
+and number of epochs:
 
     reference_imagenet   default_config.yaml (the reference recipe: Adam, constant lr), ImageNet stem
     reference_cifar      the same with the CIFAR stem

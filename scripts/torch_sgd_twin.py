@@ -98,7 +98,8 @@ def train(config, data_path: Path, output_path: Path, threads: int) -> List[dict
     std = np.asarray(CIFAR10_STD, np.float32)[:, None, None]
     train_files = [data_path / name for name in TRAIN_FILES if (data_path / name).is_file()]
     if not train_files or not (data_path / TEST_FILE).is_file():
-        raise UserError(f"{data_path}: no {TRAIN_FILES[0]} or {TEST_FILE}; pass --data_path with a CIFAR-10 binary folder")
+        raise UserError(f"{data_path}: no {TRAIN_FILES[0]} or {TEST_FILE}; pass --data_path with a CIFAR-10 binary "
+                        "folder")
     train_x, train_y = read_cifar_records(train_files, config.train_num_samples)
     test_x, test_y = read_cifar_records([data_path / TEST_FILE], config.eval_num_samples)
     train_x, test_x = (train_x - mean) / std, (test_x - mean) / std
