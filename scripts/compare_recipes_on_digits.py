@@ -16,12 +16,13 @@ and number of epochs:
     torch_recipe_cifar_sgd  the same in PyTorch (scripts/torch_sgd_twin.py, torchvision's ResNet-50): tells the
                          port's behaviour from the recipe's
     reference_imagenet_batch64  reference_imagenet at batch 64 with the lr scaled linearly (a CPU default candidate)
+    reference_imagenet_batch64_lr1e-3  the same with the reference's lr (Adam is often left unscaled)
 
 Every run is shortened to --epochs epochs at 32x32 (schedules follow epoch_size, so a cosine or one-cycle schedule
-still runs its whole course) and takes batches of at most 32 (64 for reference_imagenet_batch64), its learning
-rate scaled linearly (the recipes' 128 and 256 would leave 10 and 5 steps an epoch); an EMA keeps the same share of
-the run: its window (1 / (1 - ema_decay) steps) is scaled by the proxy's steps over the full CIFAR-10 run's steps.
-The table (final top-1 of the raw and EMA weights, best raw top-1 over the epochs) is printed and written to
+still runs its whole course) and takes batches of at most 32 (64 for the reference_imagenet_batch64 runs), its
+learning rate scaled linearly (the recipes' 128 and 256 would leave 10 and 5 steps an epoch); an EMA keeps the same
+share of the run: its window (1 / (1 - ema_decay) steps) is scaled by the proxy's steps over the full CIFAR-10 run's
+steps. The table (final top-1 of the raw and EMA weights, best raw top-1 over the epochs) is printed and written to
 OUTPUT/comparison.md and comparison.json; each run's log, metrics.csv and checkpoints are in OUTPUT/NAME. A run whose
 folder already holds a finished run of the same command is reused. Accuracy on 500 digit images moves by about a
 point between seeds: read small gaps as ties.
@@ -83,6 +84,10 @@ RUNS = {
                                              "--lr", "0.002"],
                                       "reference recipe at batch 64, lr 0.002 (scaled linearly), ImageNet stem",
                                       max_batch=64),
+    "reference_imagenet_batch64_lr1e-3": Run(None, ["--model_name", "resnet50", "--stem", "imagenet",
+                                                    "--batch_size", "64"],
+                                             "reference recipe at batch 64, lr 0.001 (the reference's), ImageNet stem",
+                                             max_batch=64),
 }
 
 
