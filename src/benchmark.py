@@ -441,6 +441,8 @@ def table(measurements: Sequence[Measurement], gemms: Sequence[GemmMeasurement] 
         rows += ["", recipe_table(measurements, recipes)]
     if any(m.framework == "train.py" for m in measurements):
         rows += ["", train_py_table(measurements)]
+    if reference and any(m.framework in ("torch", "onnxruntime") for m in main):
+        rows += ["", ceiling_table(main, keys, reference)]
     if gemms:
         phases = list(dict.fromkeys(g.phase for g in gemms))
         timings = sum(len(g.seconds) for g in gemms if g.backend == gemms[0].backend)
@@ -488,6 +490,24 @@ def recipe_table(measurements: Sequence[Measurement], recipes: Sequence[str]) ->
         cells = [f"{rate:.1f}" if rate else "-" for rate in rates]
         cells += [f"{rate / rates[0]:.2f}x" if rate and rates[0] else "-" for rate in rates[1:]]
         rows.append(f"| {size}x{size} | {batch} | " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
+def ceiling_table(measurements: Sequence[Measurement], keys: Sequence[Tuple[str, int, int]],
+                  reference: float) -> str:
+    """Markdown table: each peer's FLOP rate as a share of the GEMM rate, and the ratio to it that MindSpore would
+    reach at 100 % of the GEMM rate: the most fp32 arithmetic on this machine allows without fewer FLOPs."""
+    rows = ["| mode | input | batch | MindSpore % of GEMM | PyTorch % of GEMM | MindSpore / PyTorch at 100 % of GEMM "
+            "| onnxruntime % of GEMM | MindSpore / onnxruntime at 100 % of GEMM |", "|---|---|---|---|---|---|---|---|"]
+    for mode, size, batch in keys:
+        found = {m.framework: m for m in measurements if (m.mode, m.image_size, m.batch_size) == (mode, size, batch)}
+        cells = []
+        for framework in ("mindspore", "torch", "onnxruntime"):
+            rate = found[framework].gflops_per_second if framework in found else None
+            cells.append("-" if rate is None else f"{100 * rate / reference:.1f}")
+            if framework != "mindspore":
+                cells.append("-" if not rate else f"{reference / rate:.2f}x")
+        rows.append(f"| {mode} | {size}x{size} | {batch} | " + " | ".join(cells) + " |")
     return "\n".join(rows)
 
 
