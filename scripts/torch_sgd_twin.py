@@ -65,8 +65,8 @@ def read_cifar_records(paths: List[Path], count: int) -> Tuple[np.ndarray, np.nd
 
 
 def crop_and_flip(images: np.ndarray, rng: np.random.Generator) -> np.ndarray:
-    """The reference's RandomCrop(32, padding=4) and RandomHorizontalFlip on a normalised batch (zero padding,
-    which after normalisation is the padding torchvision applies before it)."""
+    """The reference's RandomCrop(32, padding=4) and RandomHorizontalFlip on a batch of 0-1 images, before it is
+    normalised: the padding is black, as torchvision's and train.py's crop pad the image itself."""
     padded = np.pad(images, ((0, 0), (0, 0), (4, 4), (4, 4)))
     out = np.empty_like(images)
     for index, image in enumerate(padded):
@@ -102,7 +102,7 @@ def train(config, data_path: Path, output_path: Path, threads: int) -> List[dict
                         "folder")
     train_x, train_y = read_cifar_records(train_files, config.train_num_samples)
     test_x, test_y = read_cifar_records([data_path / TEST_FILE], config.eval_num_samples)
-    train_x, test_x = (train_x - mean) / std, (test_x - mean) / std
+    test_x = (test_x - mean) / std  # training batches are normalised after their crop and flip
     net = build_torch_resnet(config.model_name, config.stem, config.class_num)
     steps = len(train_x) // config.batch_size  # train.py drops the last partial batch
     rates = schedule_from_config(config, steps)
@@ -121,7 +121,8 @@ def train(config, data_path: Path, output_path: Path, threads: int) -> List[dict
             index = order[batch * config.batch_size:(batch + 1) * config.batch_size]
             for group in optimizer.param_groups:
                 group["lr"] = float(rates[step])
-            loss = loss_fn(net(torch.from_numpy(crop_and_flip(train_x[index], rng))), torch.from_numpy(train_y[index]))
+            images = (crop_and_flip(train_x[index], rng) - mean) / std
+            loss = loss_fn(net(torch.from_numpy(images)), torch.from_numpy(train_y[index]))
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()

@@ -182,3 +182,19 @@ def test_torch_twin_trains_on_train_pys_schedule(digits_dir, tmp_path):
     missing = run_script("scripts/torch_sgd_twin.py", ["--data_path", str(tmp_path / "none"), "--output_path",
                                                        str(tmp_path / "out2")] + args)
     assert_one_line_error(missing, str(tmp_path / "none"), "--data_path")
+
+
+def test_torch_twin_pads_its_crops_black_before_normalising():
+    """As torchvision's RandomCrop(32, padding=4) and train.py's crop: the padding is black pixels, so it
+    normalises to -mean/std, not to 0."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    try:
+        from torch_sgd_twin import crop_and_flip
+    finally:
+        sys.path.remove(str(REPO / "scripts"))
+    white = np.ones((64, 3, 32, 32), np.float32)
+    cropped = crop_and_flip(white, np.random.default_rng(0))
+    assert cropped.shape == white.shape and set(np.unique(cropped)) == {0.0, 1.0}
+    assert (cropped == 0).any(axis=(1, 2, 3)).mean() > 0.5  # most of 64 crops are off-centre
+    # A crop keeps 32x32 of the padded 40x40: at most 4 black rows and 4 black columns.
+    assert ((cropped == 0).all(axis=(1, 3)).sum(axis=1) <= 4).all()
