@@ -453,7 +453,8 @@ def table(measurements: Sequence[Measurement], gemms: Sequence[GemmMeasurement] 
             notes += [f"ONEDNN_MAX_CPU_ISA={isa}"] if backend == "mindspore" else []
             return f"{backend} {rates[backend]:.1f} ({', '.join(notes)})"
         described = ", ".join(map(describe, rates))
-        rows += [""] if rows[-1].startswith("|") else []  # a line right under a table would read as its last row
+        if rows[-1].rpartition("\n")[2].startswith("|"):  # a line right under a table would read as its last row
+            rows.append("")
         rows.append(f"GEMM: fp32 {gemms[0].n}x{gemms[0].n} matrix products, {gemms[0].threads} threads, median of "
                     f"{timings} per backend ({' and '.join(phases)} the models): {described} GFLOP/s; "
                     f"% of GEMM is against the fastest, {reference:.1f} GFLOP/s.")

@@ -93,7 +93,7 @@ def test_rates_pool_phases_and_percentages_use_the_fastest_backend():
     # The ceiling: the run's peak is PyTorch's 2 GFLOP/s (equal to numpy's best product), so nothing in fp32 could be
     # more than 1.00x of it; against 4 GFLOP/s (a 0.5 s product) it would be 2.00x.
     assert "fastest fp32 rate seen in this run, 2.0 GFLOP/s" in text
-    assert "| eval | 32x32 | 10 | 50.0 | 100.0 | 1.00x | - | - |" in text
+    assert "| eval | 32x32 | 10 | 50.0 | 100.0 | 1.00x | - | - |\n\nGEMM: fp32" in text  # a blank line ends the table
     faster = table([ours, theirs], gemms + [GemmMeasurement("numpy", n, 2, None, [0.5, 4.0], "after")], "resnet50")
     assert "| eval | 32x32 | 10 | 25.0 | 50.0 | 2.00x | - | - |" in faster
     assert "numpy 2.0 (before 2.0, after 0.5), mindspore 0.5 (before 0.5, ONEDNN_MAX_CPU_ISA=AVX2)" in text
