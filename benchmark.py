@@ -57,19 +57,19 @@ def _int_at_least(minimum: int) -> Callable[[str], int]:
     return parse
 
 
-def _sizes(text: str) -> List[int]:
-    # 32 is the smallest input ResNet's five stride-2 stages leave a pixel of.
-    try:
-        return [_int_at_least(32)(part) for part in text.split(",")]
-    except argparse.ArgumentTypeError as exc:
-        raise argparse.ArgumentTypeError(f"comma-separated input sizes: {exc}") from None
+def _whole_numbers(minimum: int, what: str) -> Callable[[str], List[int]]:
+    """A comma-separated list of whole numbers of at least minimum, each once."""
+    def parse(text: str) -> List[int]:
+        try:
+            return list(dict.fromkeys(_int_at_least(minimum)(part) for part in text.split(",")))
+        except argparse.ArgumentTypeError as exc:
+            raise argparse.ArgumentTypeError(f"comma-separated {what}: {exc}") from None
+    return parse
 
 
-def _batch_sizes(text: str) -> List[int]:
-    try:
-        return list(dict.fromkeys(_int_at_least(1)(part) for part in text.split(",")))
-    except argparse.ArgumentTypeError as exc:
-        raise argparse.ArgumentTypeError(f"comma-separated batch sizes: {exc}") from None
+# 32 is the smallest input ResNet's five stride-2 stages leave a pixel of.
+_sizes = _whole_numbers(32, "input sizes")
+_batch_sizes = _whole_numbers(1, "batch sizes")
 
 
 def _names(*allowed: str) -> Callable[[str], List[str]]:

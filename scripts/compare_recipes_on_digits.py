@@ -58,6 +58,7 @@ TRAIN = "train.py"
 TORCH_TWIN = "scripts/torch_sgd_twin.py"
 SGD_CORE = ["--auto_augment", "none", "--random_erasing", "0", "--ema_decay", "0"]
 
+
 @dataclass(frozen=True)
 class Run:
     config_file: Optional[str]  # None: default_config.yaml alone

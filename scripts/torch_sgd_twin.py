@@ -11,11 +11,11 @@ biases), the learning-rate schedule (the same per-step array as train.py's, from
 smoothing, batch size, seed, train_num_samples / eval_num_samples, and the reference's random crop (padding 4),
 horizontal flip and normalisation. Anything else a configuration can switch on (Adam, AutoAugment and the other
 augmentations, mixup/cutmix, EMA, gradient clipping, other input sizes) is refused: the twin would not be one.
-Writes OUTPUT/metrics.csv (epoch, lr, train_loss, top1) as train.py names those columns.
+Writes OUTPUT/metrics.csv as train.py does (src/metrics_file.py), with epoch, lr, train_loss, top1 and epoch_seconds
+filled in.
 """
 import argparse
-import csv
-import io
+import os
 import sys
 import time
 from pathlib import Path
@@ -26,10 +26,10 @@ sys.path.insert(0, str(ROOT))
 
 import numpy as np  # noqa: E402
 
-from src.atomic_file import write_text_atomic  # noqa: E402
 from src.dataset import CIFAR10_MEAN, CIFAR10_STD, RECORD_BYTES, TEST_FILE, TRAIN_FILES  # noqa: E402
 from src.errors import UserError  # noqa: E402
 from src.lr_schedule import schedule_from_config  # noqa: E402
+from src.metrics_file import MetricsFile  # noqa: E402
 from src.model_utils.config import load_config  # noqa: E402
 
 # Keys whose non-default values the twin does not reproduce, with the value that switches them off.
@@ -112,7 +112,7 @@ def train(config, data_path: Path, output_path: Path, threads: int) -> List[dict
                                                                            if rest else [])
     optimizer = torch.optim.SGD(groups, lr=float(rates[0]), momentum=config.momentum, nesterov=bool(config.nesterov))
     loss_fn = torch.nn.CrossEntropyLoss(label_smoothing=config.label_smoothing)
-    rows, step = [], 0
+    metrics, step = MetricsFile(str(output_path / "metrics.csv")), 0
     for epoch in range(1, config.epoch_size + 1):
         start, total = time.perf_counter(), 0.0
         net.train()
@@ -132,17 +132,10 @@ def train(config, data_path: Path, output_path: Path, threads: int) -> List[dict
         with torch.no_grad():
             predicted = np.concatenate([net(torch.from_numpy(test_x[i:i + 100])).argmax(1).numpy()
                                         for i in range(0, len(test_x), 100)])
-        row = {"epoch": epoch, "lr": f"{rates[step - 1]:.6g}", "train_loss": f"{total / steps:.5f}",
-               "top1": f"{float(np.mean(predicted == test_y)):.4g}",
-               "epoch_seconds": f"{time.perf_counter() - start:.1f}"}
-        rows.append(row)
-        print(" ".join(f"{k} {v}" for k, v in row.items()), flush=True)
-        text = io.StringIO()
-        writer = csv.DictWriter(text, fieldnames=list(row))
-        writer.writeheader()
-        writer.writerows(rows)
-        write_text_atomic(output_path / "metrics.csv", text.getvalue())
-    return rows
+        metrics.append({"epoch": epoch, "lr": float(rates[step - 1]), "train_loss": total / steps,
+                        "top1": float(np.mean(predicted == test_y)), "epoch_seconds": time.perf_counter() - start})
+        print(" ".join(f"{k} {v}" for k, v in metrics.rows[-1].items() if v), flush=True)
+    return metrics.rows
 
 
 def main() -> int:
@@ -155,7 +148,7 @@ def main() -> int:
         config = load_config(overrides)
         check_twin_config(config)
         args.output_path.mkdir(parents=True, exist_ok=True)
-        threads = args.threads or len(__import__("os").sched_getaffinity(0))
+        threads = args.threads or len(os.sched_getaffinity(0))
         train(config, args.data_path, args.output_path, threads)
     except UserError as error:
         print(f"error: {error}", file=sys.stderr)

@@ -175,7 +175,8 @@ def test_torch_twin_trains_on_train_pys_schedule(digits_dir, tmp_path):
                                                        str(tmp_path / "out")] + args)
     assert process.returncode == 0, process.stdout[-2000:] + process.stderr[-2000:]
     fields, rows = read_metrics(tmp_path / "out")
-    assert fields[:4] == ["epoch", "lr", "train_loss", "top1"] and len(rows) == 2
+    from src.metrics_file import COLUMNS
+    assert fields == list(COLUMNS) and len(rows) == 2  # train.py's metrics.csv
     rates = build_lr_schedule("cosine", 0.05, 2, 3, warmup_epochs=1)  # 96 images: 3 steps an epoch
     assert [float(row["lr"]) for row in rows] == pytest.approx([rates[2], rates[5]], rel=1e-5)
     assert all(np.isfinite(float(row["train_loss"])) and 0 <= float(row["top1"]) <= 1 for row in rows)
