@@ -30,6 +30,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <sched.h>
 #include <thread>
 #include <tuple>
@@ -227,13 +228,17 @@ class Runtime {
   void ConvBnForward(const Shape &shape, float eps, bool x_blocked, bool y_blocked, void *x, void *weights,
                      void *gamma, void *beta, void *y, void *conv_out, void *mean, void *variance) {
     auto lock = executor_.Begin();
-    const Plan &plan = GetPlan(Direction::kForward, shape);
     memory::desc x_plain, w_plain, y_plain;
     PlainDescs(Direction::kForward, shape, &x_plain, &w_plain, &y_plain);
     const memory::desc blocked(shape.dst, memory::data_type::f32, BlockedTag());
     const memory::desc x_desc = x_blocked ? memory::desc(shape.src, memory::data_type::f32, BlockedTag()) : x_plain;
-    Execute(plan, ToLayout(memory(x_desc, engine_, x), plan.first_desc, &buffers_[0]),
-            ToLayout(memory(w_plain, engine_, weights), plan.second_desc, &buffers_[1]), blocked, conv_out);
+    if (const OnePixelPlan *pixel = GetOnePixelPlan(shape)) {
+      OnePixelForward(*pixel, x, weights, conv_out);
+    } else {
+      const Plan &plan = GetPlan(Direction::kForward, shape);
+      Execute(plan, ToLayout(memory(x_desc, engine_, x), plan.first_desc, &buffers_[0]),
+              ToLayout(memory(w_plain, engine_, weights), plan.second_desc, &buffers_[1]), blocked, conv_out);
+    }
     memory out_mem(blocked, engine_, conv_out);
     const BatchNormPlan &norm = GetBatchNormPlan(shape.dst, eps);
     memory normalized(blocked, engine_, y_blocked ? y : buffers_[4].Get(blocked.get_size()));
@@ -274,6 +279,11 @@ class Runtime {
                                     {DNNL_ARG_DIFF_SCALE, Channels(shape, dgamma)},
                                     {DNNL_ARG_DIFF_SHIFT, Channels(shape, dbeta)},
                                     {DNNL_ARG_SCRATCHPAD, Scratchpad(norm.backward_scratchpad)}});
+    if (const OnePixelPlan *pixel = GetOnePixelPlan(shape)) {
+      OnePixelBackward(*pixel, d_conv_out.get_data_handle(), x, weights, dx, dw);
+      stream_.wait();
+      return;
+    }
     // The convolution's gradients, as Run computes them but from d_conv_out, which is already blocked.
     const Plan &data = GetPlan(Direction::kBackwardData, shape);
     Execute(data, ToLayout(d_conv_out, data.first_desc, &buffers_[0]),
@@ -325,6 +335,106 @@ class Runtime {
 
   Runtime()
       : executor_(Executor::Get()), engine_(executor_.engine), stream_(executor_.stream) {}
+
+  // One-pixel convolutions: a 1x1 input and a 1x1 output (ResNet's layer4 at 32x32 inputs with the ImageNet stem).
+  // Only the kernel's centre tap (padding, padding) meets the input, and at 1x1 the channel blocks are the plain
+  // (N, C) layout, so the convolution is a matrix product of the (N, I) input with the (O, I) centre tap. oneDNN's
+  // matmul runs it on the plain OIHW weights: the blocked convolution's three weight reorders a step (the largest
+  // weights of the network) and its kernels for tiny maps go. The matmuls' layouts are fixed here, not chosen.
+  struct OnePixelPlan {
+    dnnl::matmul forward, backward_data, backward_weights;
+    memory::desc forward_weights, backward_data_weights;  // the centre tap as each reads it
+    memory::desc centre_io, centre_oi, x, y, dy_transposed, dw_centre;
+    memory::desc forward_scratchpad, backward_data_scratchpad, backward_weights_scratchpad;
+    int64_t tap = 0;  // offset of the centre tap in each (o, i) run of KH x KW weights
+    bool kernel_1x1 = false;
+  };
+
+  // The plan for a one-pixel shape, or nullptr where the shape is not one or oneDNN has only its reference
+  // matmul for it (then the blocked convolution runs).
+  const OnePixelPlan *GetOnePixelPlan(const Shape &shape) {
+    const int64_t kh = shape.weights[2], kw = shape.weights[3], pad = shape.padding[0];
+    if (shape.src[2] != 1 || shape.src[3] != 1 || shape.dst[2] != 1 || shape.dst[3] != 1 || pad >= kh ||
+        pad >= kw || shape.padding[1] != pad) {
+      return nullptr;
+    }
+    auto key = std::make_tuple(shape.src, shape.weights, pad);
+    auto found = pixel_plans_.find(key);
+    if (found != pixel_plans_.end()) return found->second ? &*found->second : nullptr;
+    const int64_t n = shape.src[0], in = shape.src[1], out = shape.weights[0], taps = kh * kw;
+    const auto f32 = memory::data_type::f32;
+    OnePixelPlan plan;
+    plan.tap = pad * kw + pad;
+    plan.kernel_1x1 = taps == 1;
+    plan.centre_io = memory::desc({in, out}, f32, memory::dims{taps, in * taps});
+    plan.centre_oi = memory::desc({out, in}, f32, memory::dims{in * taps, taps});
+    plan.x = memory::desc({n, in}, f32, tag::ab);
+    plan.y = memory::desc({n, out}, f32, tag::ab);
+    plan.dy_transposed = memory::desc({out, n}, f32, memory::dims{1, out});
+    const memory::desc io({in, out}, f32, tag::ab), oi({out, in}, f32, tag::ab);
+    dnnl::primitive_attr attr;
+    attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
+    auto native = [](const char *impl) { return std::strncmp(impl, "ref", 3) != 0; };
+    // Forward, y = x . centre^T: on the weights in place where oneDNN has a brgemm kernel for the transposed
+    // read, else on a contiguous (I, O) copy (its GEMM on the transposed read measured 2-4x slower than the copy).
+    auto forward = dnnl::matmul::primitive_desc(engine_, plan.x, plan.centre_io, plan.y, attr);
+    plan.forward_weights = plan.centre_io;
+    if (std::strncmp(forward.impl_info_str(), "brg", 3) != 0) {
+      forward = dnnl::matmul::primitive_desc(engine_, plan.x, io, plan.y, attr);
+      plan.forward_weights = io;
+    }
+    // Backward data, dx = dy . centre: a 1x1 kernel's (O, I) weights are contiguous, a larger one's centre is copied.
+    plan.backward_data_weights = plan.kernel_1x1 ? plan.centre_oi : oi;
+    auto data = dnnl::matmul::primitive_desc(engine_, plan.y, plan.backward_data_weights, plan.x, attr);
+    // Backward weights, dcentre = dy^T . x: into dw itself for a 1x1 kernel, else into a copy spread into zeroed dw.
+    plan.dw_centre = plan.kernel_1x1 ? plan.centre_oi : oi;
+    auto filter = dnnl::matmul::primitive_desc(engine_, plan.dy_transposed, plan.x, plan.dw_centre, attr);
+    if (!native(forward.impl_info_str()) || !native(data.impl_info_str()) || !native(filter.impl_info_str())) {
+      pixel_plans_.emplace(key, std::nullopt);
+      return nullptr;
+    }
+    plan.forward = dnnl::matmul(forward), plan.backward_data = dnnl::matmul(data);
+    plan.backward_weights = dnnl::matmul(filter);
+    plan.forward_scratchpad = forward.scratchpad_desc(), plan.backward_data_scratchpad = data.scratchpad_desc();
+    plan.backward_weights_scratchpad = filter.scratchpad_desc();
+    return &*pixel_plans_.emplace(key, plan).first->second;
+  }
+
+  // The centre tap of OIHW `weights` in `wanted` (the in-place view or a contiguous copy in `buffer`).
+  memory CentreTap(const memory::desc &view, const memory::desc &wanted, int64_t tap, void *weights,
+                   Buffer *buffer) {
+    memory centre(view, engine_, static_cast<float *>(weights) + tap);
+    return ToLayout(centre, wanted, buffer);
+  }
+
+  void OnePixelForward(const OnePixelPlan &plan, void *x, void *weights, void *y) {
+    memory centre = CentreTap(plan.centre_io, plan.forward_weights, plan.tap, weights, &buffers_[1]);
+    plan.forward.execute(stream_, {{DNNL_ARG_SRC, memory(plan.x, engine_, x)},
+                                   {DNNL_ARG_WEIGHTS, centre},
+                                   {DNNL_ARG_DST, memory(plan.y, engine_, y)},
+                                   {DNNL_ARG_SCRATCHPAD, Scratchpad(plan.forward_scratchpad)}});
+  }
+
+  void OnePixelBackward(const OnePixelPlan &plan, void *dy, void *x, void *weights, void *dx, void *dw) {
+    memory centre = CentreTap(plan.centre_oi, plan.backward_data_weights, plan.tap, weights, &buffers_[1]);
+    plan.backward_data.execute(stream_, {{DNNL_ARG_SRC, memory(plan.y, engine_, dy)},
+                                         {DNNL_ARG_WEIGHTS, centre},
+                                         {DNNL_ARG_DST, memory(plan.x, engine_, dx)},
+                                         {DNNL_ARG_SCRATCHPAD, Scratchpad(plan.backward_data_scratchpad)}});
+    memory dw_centre = plan.kernel_1x1 ? memory(plan.dw_centre, engine_, dw)
+                                       : memory(plan.dw_centre, engine_, buffers_[2].Get(plan.dw_centre.get_size()));
+    plan.backward_weights.execute(stream_, {{DNNL_ARG_SRC, memory(plan.dy_transposed, engine_, dy)},
+                                            {DNNL_ARG_WEIGHTS, memory(plan.x, engine_, x)},
+                                            {DNNL_ARG_DST, dw_centre},
+                                            {DNNL_ARG_SCRATCHPAD, Scratchpad(plan.backward_weights_scratchpad)}});
+    if (!plan.kernel_1x1) {  // every other tap only ever met padding: its gradient is zero
+      stream_.wait();
+      const size_t bytes = static_cast<size_t>(plan.centre_oi.get_dims()[0]) * plan.centre_oi.get_strides()[0] * 4;
+      std::memset(dw, 0, bytes);
+      memory into(plan.centre_oi, engine_, static_cast<float *>(dw) + plan.tap);
+      dnnl::reorder(dw_centre, into).execute(stream_, dw_centre, into);
+    }
+  }
 
   static void PlainDescs(Direction direction, const Shape &shape, memory::desc *first, memory::desc *second,
                          memory::desc *result) {
@@ -418,6 +528,7 @@ class Runtime {
   Buffer buffers_[6];  // first input, second input, result, scratchpad; ConvBn's blocked tensors
   std::map<std::tuple<int, memory::dims, memory::dims, memory::dims, memory::dims, memory::dims>, Plan> plans_;
   std::map<std::pair<memory::dims, float>, BatchNormPlan> norms_;
+  std::map<std::tuple<memory::dims, memory::dims, int64_t>, std::optional<OnePixelPlan>> pixel_plans_;
 };
 
 enum class PostOp { kNone, kRelu, kAddRelu };
