@@ -257,10 +257,12 @@ class Runtime {
   }
 
   // The gradients of ConvBnForward's y: dx (in x's layout), dw (plain), dgamma, dbeta, from dy (in y's layout)
-  // and the forward's conv_out, mean and variance.
+  // and the forward's conv_out, mean and variance. With dx null the input gradient is left to
+  // ConvBnBackwardData (run only where it is used), and d_conv_out_result receives what it needs: the
+  // convolution's output gradient, in channel blocks.
   void ConvBnBackward(const Shape &shape, float eps, bool x_blocked, bool y_blocked, void *dy, void *conv_out,
                       void *mean, void *variance, void *gamma, void *x, void *weights, void *dx, void *dw,
-                      void *dgamma, void *dbeta) {
+                      void *dgamma, void *dbeta, void *d_conv_out_result = nullptr) {
     auto lock = executor_.Begin();
     memory::desc x_plain, w_plain, y_plain;
     PlainDescs(Direction::kForward, shape, &x_plain, &w_plain, &y_plain);
@@ -269,7 +271,7 @@ class Runtime {
     const BatchNormPlan &norm = GetBatchNormPlan(shape.dst, eps);
     memory dy_blocked = y_blocked ? memory(blocked, engine_, dy)
                                   : ToLayout(memory(y_plain, engine_, dy), blocked, &buffers_[4]);
-    memory d_conv_out(blocked, engine_, buffers_[5].Get(blocked.get_size()));
+    memory d_conv_out(blocked, engine_, d_conv_out_result ? d_conv_out_result : buffers_[5].Get(blocked.get_size()));
     norm.backward.execute(stream_, {{DNNL_ARG_SRC, memory(blocked, engine_, conv_out)},
                                     {DNNL_ARG_DIFF_DST, dy_blocked},
                                     {DNNL_ARG_MEAN, Channels(shape, mean)},
@@ -279,18 +281,23 @@ class Runtime {
                                     {DNNL_ARG_DIFF_SCALE, Channels(shape, dgamma)},
                                     {DNNL_ARG_DIFF_SHIFT, Channels(shape, dbeta)},
                                     {DNNL_ARG_SCRATCHPAD, Scratchpad(norm.backward_scratchpad)}});
+    if (dx) DataGradient(shape, x_blocked, d_conv_out, weights, dx);
     if (const OnePixelPlan *pixel = GetOnePixelPlan(shape)) {
-      OnePixelBackward(*pixel, d_conv_out.get_data_handle(), x, weights, dx, dw);
-      stream_.wait();
-      return;
+      OnePixelBackwardWeights(*pixel, d_conv_out.get_data_handle(), x, dw);
+    } else {
+      // As Run computes it, but from d_conv_out, which is already blocked.
+      const Plan &filter = GetPlan(Direction::kBackwardWeights, shape);
+      Execute(filter, ToLayout(d_conv_out, filter.first_desc, &buffers_[0]),
+              ToLayout(memory(x_desc, engine_, x), filter.second_desc, &buffers_[1]), w_plain, dw);
     }
-    // The convolution's gradients, as Run computes them but from d_conv_out, which is already blocked.
-    const Plan &data = GetPlan(Direction::kBackwardData, shape);
-    Execute(data, ToLayout(d_conv_out, data.first_desc, &buffers_[0]),
-            ToLayout(memory(w_plain, engine_, weights), data.second_desc, &buffers_[1]), x_desc, dx);
-    const Plan &filter = GetPlan(Direction::kBackwardWeights, shape);
-    Execute(filter, ToLayout(d_conv_out, filter.first_desc, &buffers_[0]),
-            ToLayout(memory(x_desc, engine_, x), filter.second_desc, &buffers_[1]), w_plain, dw);
+    stream_.wait();
+  }
+
+  // ConvBnBackward's deferred input gradient: dx (in x's layout) from its d_conv_out_result.
+  void ConvBnBackwardData(const Shape &shape, bool x_blocked, void *d_conv_out, void *weights, void *dx) {
+    auto lock = executor_.Begin();
+    const memory::desc blocked(shape.dst, memory::data_type::f32, BlockedTag());
+    DataGradient(shape, x_blocked, memory(blocked, engine_, d_conv_out), weights, dx);
     stream_.wait();
   }
 
@@ -331,6 +338,20 @@ class Runtime {
     if (result_mem.get_data_handle() != result) {
       dnnl::reorder(result_mem, result_user).execute(stream_, result_mem, result_user);
     }
+  }
+
+  // The convolution's input gradient dx (in x's layout) from d_conv_out (channel blocks).
+  void DataGradient(const Shape &shape, bool x_blocked, const memory &d_conv_out, void *weights, void *dx) {
+    if (const OnePixelPlan *pixel = GetOnePixelPlan(shape)) {
+      OnePixelBackwardData(*pixel, d_conv_out.get_data_handle(), weights, dx);
+      return;
+    }
+    memory::desc x_plain, w_plain, y_plain;
+    PlainDescs(Direction::kForward, shape, &x_plain, &w_plain, &y_plain);
+    const memory::desc x_desc = x_blocked ? memory::desc(shape.src, memory::data_type::f32, BlockedTag()) : x_plain;
+    const Plan &data = GetPlan(Direction::kBackwardData, shape);
+    Execute(data, ToLayout(d_conv_out, data.first_desc, &buffers_[0]),
+            ToLayout(memory(w_plain, engine_, weights), data.second_desc, &buffers_[1]), x_desc, dx);
   }
 
   Runtime()
@@ -415,12 +436,15 @@ class Runtime {
                                    {DNNL_ARG_SCRATCHPAD, Scratchpad(plan.forward_scratchpad)}});
   }
 
-  void OnePixelBackward(const OnePixelPlan &plan, void *dy, void *x, void *weights, void *dx, void *dw) {
+  void OnePixelBackwardData(const OnePixelPlan &plan, void *dy, void *weights, void *dx) {
     memory centre = CentreTap(plan.centre_oi, plan.backward_data_weights, plan.tap, weights, &buffers_[1]);
     plan.backward_data.execute(stream_, {{DNNL_ARG_SRC, memory(plan.y, engine_, dy)},
                                          {DNNL_ARG_WEIGHTS, centre},
                                          {DNNL_ARG_DST, memory(plan.x, engine_, dx)},
                                          {DNNL_ARG_SCRATCHPAD, Scratchpad(plan.backward_data_scratchpad)}});
+  }
+
+  void OnePixelBackwardWeights(const OnePixelPlan &plan, void *dy, void *x, void *dw) {
     memory dw_centre = plan.kernel_1x1 ? memory(plan.dw_centre, engine_, dw)
                                        : memory(plan.dw_centre, engine_, buffers_[2].Get(plan.dw_centre.get_size()));
     plan.backward_weights.execute(stream_, {{DNNL_ARG_SRC, memory(plan.dy_transposed, engine_, dy)},
@@ -799,8 +823,8 @@ int LaunchConvBnForward(int stride, int padding, int nparam, void **params, int 
 
 // params: dy, conv_out, mean, variance, gamma, (eps, momentum), layouts (as the forward's), x, weights, then the
 // outputs dx, dw, dgamma, dbeta.
-int LaunchConvBnBackward(int stride, int padding, int nparam, void **params, int *ndims, int64_t **shapes,
-                         const char **dtypes) {
+int LaunchConvBnBackward(bool defer_input, int stride, int padding, int nparam, void **params, int *ndims,
+                         int64_t **shapes, const char **dtypes) {
   const char *what = "onednn_conv conv+batchnorm gradient";
   const int wanted_ndims[] = {4, 4, 1, 1, 1, 1, 1, 4, 4, 4, 4, 1, 1};
   const char *const wanted_dtypes[] = {"float32", "float32", "float32", "float32", "float32", "float32", "int64",
@@ -815,8 +839,27 @@ int LaunchConvBnBackward(int stride, int padding, int nparam, void **params, int
   const float eps = *static_cast<const float *>(params[5]);
   return Guarded(what, [&] {
     Runtime::Get().ConvBnBackward(shape, eps, x_blocked, y_blocked, params[0], params[1], params[2], params[3],
-                                  params[4], params[7], params[8], params[9], params[10], params[11], params[12]);
+                                  params[4], params[7], params[8], defer_input ? nullptr : params[9], params[10],
+                                  params[11], params[12], defer_input ? params[9] : nullptr);
   });
+}
+
+// Deferred input gradient, training. LaunchConvBnBackward with defer_input: the same params but the outputs d_conv_out
+// (y's shape, channel blocks), dw, dgamma, dbeta. LaunchConvBnBackwardData: params d_conv_out, weights, layouts (as
+// the forward's), x (for its shape), then the output dx.
+int LaunchConvBnBackwardData(int stride, int padding, int nparam, void **params, int *ndims, int64_t **shapes,
+                             const char **dtypes) {
+  const char *what = "onednn_conv conv+batchnorm input gradient";
+  const int wanted_ndims[] = {4, 4, 1, 4, 4};
+  const char *const wanted_dtypes[] = {"float32", "float32", "int64", "float32", "float32"};
+  if (!CheckTensors(what, nparam, 5, ndims, dtypes, wanted_ndims, wanted_dtypes)) return 1;
+  Shape shape{Dims(shapes[3]), Dims(shapes[1]), Dims(shapes[0]), {stride, stride}, {padding, padding}};
+  bool x_blocked, y_blocked;
+  if (shapes[2][0] != 2 ||
+      !ReadTrainingLayouts(what, static_cast<const int64_t *>(params[2]), shape, &x_blocked, &y_blocked)) {
+    return 1;
+  }
+  return Guarded(what, [&] { Runtime::Get().ConvBnBackwardData(shape, x_blocked, params[0], params[1], params[4]); });
 }
 
 // params: x, output (same shape, 4-d float32, channels in whole blocks).
@@ -929,7 +972,17 @@ ONEDNN_CONV_EXPORT_ALL(2, 3)
   }                                                                                                              \
   extern "C" int ConvBnBackward_s##STRIDE##_p##PADDING(int nparam, void **params, int *ndims, int64_t **shapes, \
                                                         const char **dtypes, void *, void *) {                   \
-    return LaunchConvBnBackward(STRIDE, PADDING, nparam, params, ndims, shapes, dtypes);                       \
+    return LaunchConvBnBackward(false, STRIDE, PADDING, nparam, params, ndims, shapes, dtypes);                \
+  }                                                                                                              \
+  extern "C" int ConvBnBackwardWeights_s##STRIDE##_p##PADDING(int nparam, void **params, int *ndims,            \
+                                                               int64_t **shapes, const char **dtypes, void *,    \
+                                                               void *) {                                         \
+    return LaunchConvBnBackward(true, STRIDE, PADDING, nparam, params, ndims, shapes, dtypes);                 \
+  }                                                                                                              \
+  extern "C" int ConvBnBackwardData_s##STRIDE##_p##PADDING(int nparam, void **params, int *ndims,               \
+                                                            int64_t **shapes, const char **dtypes, void *,       \
+                                                            void *) {                                            \
+    return LaunchConvBnBackwardData(STRIDE, PADDING, nparam, params, ndims, shapes, dtypes);                   \
   }
 
 ONEDNN_CONV_BN_EXPORT(1, 0)

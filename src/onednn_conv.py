@@ -9,7 +9,7 @@ import ctypes
 import functools
 import os
 from pathlib import Path
-from typing import Optional, Tuple
+from typing import Callable, Optional, Tuple
 
 import mindspore as ms
 from mindspore import nn, ops
@@ -145,21 +145,17 @@ def _forward_op(stride: int, padding: int) -> ops.Custom:
 
 
 @functools.lru_cache(maxsize=None)
-def _conv_batchnorm_op(stride: int, padding: int) -> ops.Custom:
+def _conv_batchnorm_op(stride: int, padding: int, defer_input_gradient: bool = False) -> ops.Custom:
     """Convolution then BatchNorm on the batch's statistics in one native call (training), with its gradient op
     as bprop: (x, weight, gamma, beta, moving mean, moving variance, (eps, momentum), layouts (x's, y's: PLAIN or
     BLOCKED)) -> (y, the convolution's output in channel blocks, kept for the gradient, batch mean, batch variance
-    (biased), new moving mean, new moving variance). The gradient of x comes in x's layout."""
+    (biased), new moving mean, new moving variance). The gradient of x comes in x's layout.
+
+    defer_input_gradient: the gradient of x is a native call of its own, so that the graph drops it where nothing
+    uses it (a network's first convolution: training differentiates the weights, not the images)."""
     library = usable_library()
     suffix = f"_s{stride}_p{padding}"
-
-    def backward_shape(dy, conv_out, mean, variance, gamma, constants, layouts, x, weight):
-        return x, weight, gamma, gamma
-
-    def backward_dtype(dy, *others):
-        return dy, dy, dy, dy
-
-    backward = ops.Custom(f"{library}:ConvBnBackward{suffix}", backward_shape, backward_dtype, func_type="aot")
+    make_bprop = _conv_batchnorm_bprop_deferred if defer_input_gradient else _conv_batchnorm_bprop
 
     def output_shape(x_shape, w_shape, gamma_shape, *others):
         y_shape = (x_shape[0], w_shape[0], (x_shape[2] + 2 * padding - w_shape[2]) // stride + 1,
@@ -169,6 +165,26 @@ def _conv_batchnorm_op(stride: int, padding: int) -> ops.Custom:
     def output_dtype(x_dtype, *others):
         return (x_dtype,) * 6
 
+    return ops.Custom(f"{library}:ConvBnForward{suffix}", output_shape, output_dtype, func_type="aot",
+                      bprop=make_bprop(library, suffix))
+
+
+def _four_of_first_dtype(first, *others):
+    return first, first, first, first
+
+
+def _first_dtype(first, *others):
+    return first
+
+
+def _conv_batchnorm_bprop(library: str, suffix: str) -> Callable:
+    """ConvBnForward's bprop: dx, dw, dgamma and dbeta from one native call."""
+    def backward_shape(dy, conv_out, mean, variance, gamma, constants, layouts, x, weight):
+        return x, weight, gamma, gamma
+
+    backward = ops.Custom(f"{library}:ConvBnBackward{suffix}", backward_shape, _four_of_first_dtype,
+                          func_type="aot")
+
     def bprop(x, weight, gamma, beta, moving_mean, moving_variance, constants, layouts, out, dout):
         # Only y carries a gradient: conv_out, mean and variance are for this bprop, the moving statistics are
         # assigned.
@@ -176,7 +192,29 @@ def _conv_batchnorm_op(stride: int, padding: int) -> ops.Custom:
         return (dx, dw, dgamma, dbeta, ops.zeros_like(moving_mean), ops.zeros_like(moving_variance),
                 ops.zeros_like(constants), ops.zeros_like(layouts))
 
-    return ops.Custom(f"{library}:ConvBnForward{suffix}", output_shape, output_dtype, func_type="aot", bprop=bprop)
+    return bprop
+
+
+def _conv_batchnorm_bprop_deferred(library: str, suffix: str) -> Callable:
+    """ConvBnForward's bprop with dx in a native call of its own, after the one for dw, dgamma and dbeta, which
+    hands it the convolution's output gradient."""
+    def weights_shape(dy, conv_out, mean, variance, gamma, constants, layouts, x, weight):
+        return dy, weight, gamma, gamma  # the convolution's output gradient (blocked), dw, dgamma, dbeta
+
+    def data_shape(d_conv_out, weight, layouts, x):
+        return x
+
+    backward_weights = ops.Custom(f"{library}:ConvBnBackwardWeights{suffix}", weights_shape, _four_of_first_dtype,
+                                  func_type="aot")
+    backward_data = ops.Custom(f"{library}:ConvBnBackwardData{suffix}", data_shape, _first_dtype, func_type="aot")
+
+    def bprop(x, weight, gamma, beta, moving_mean, moving_variance, constants, layouts, out, dout):
+        d_conv_out, dw, dgamma, dbeta = backward_weights(dout[0], out[1], out[2], out[3], gamma, constants, layouts,
+                                                         x, weight)
+        return (backward_data(d_conv_out, weight, layouts, x), dw, dgamma, dbeta, ops.zeros_like(moving_mean),
+                ops.zeros_like(moving_variance), ops.zeros_like(constants), ops.zeros_like(layouts))
+
+    return bprop
 
 
 def _same_shape(shape):
@@ -250,6 +288,12 @@ class BlockedConv2d(nn.Conv2d):
         """Cells that reorder activations into channel blocks and back, for a training step that keeps them there
         between with_batchnorm calls (ResNet)."""
         return ChannelBlocks(True), ChannelBlocks(False)
+
+    def defer_input_gradient(self) -> None:
+        """with_batchnorm computes the gradient of x in a native call of its own, which the graph drops where
+        nothing uses it: for a network's first convolution, whose input is the images."""
+        if self.batchnorm_op is not None:
+            self.batchnorm_op = _conv_batchnorm_op(self.blocked_stride, self.blocked_padding, True)
 
     def runs_batchnorm_itself(self) -> bool:
         """Whether with_batchnorm runs the convolution and a training BatchNorm in one native call (float32)."""

@@ -198,6 +198,8 @@ class ResNet(nn.Cell):
             self.conv1 = conv(3, 64, kernel_size=7, stride=2, pad_mode="valid", has_bias=False)
         else:
             self.conv1 = conv(3, 64, kernel_size=7, stride=2, pad_mode="pad", padding=3, has_bias=False)
+        if hasattr(self.conv1, "defer_input_gradient"):
+            self.conv1.defer_input_gradient()  # the images' gradient: computed only if someone asks for it
         self.bn1 = batch_norm(64, variant.stem_bn_eps)
         self.relu = nn.ReLU()
         if stem == CIFAR:
@@ -288,8 +290,8 @@ def build_resnet(model_name: str, num_classes: int = 1000, zero_init_residual: b
     oneDNN's blocked-layout kernels ("onednn_blocked", CPU; see src/onednn_conv.py). Both have the same
     parameters, so checkpoints are the same. stem: "imagenet" (torchvision's 7x7 stride-2 conv1 and max pool) or
     "cifar" (a 3x3 stride-1 conv1, no max pool); the parameter names are the same, conv1.weight's shape differs.
-    semantics: "torch" (this project's), "mindcv" or "models_zoo": computes as that zoo's ResNet does (padding, BatchNorm
-    eps; src/architectures.py variant_of), with the same parameter names. blocked_activations: with onednn_blocked,
+    semantics: "torch" (this project's), "mindcv" or "models_zoo": computes as that zoo's ResNet does (padding,
+    BatchNorm eps; src/architectures.py variant_of), with the same parameter names. blocked_activations: with onednn_blocked,
     a training step keeps layer1..layer4's activations in channel blocks where it can (False: reordered to the plain
     layout around every convolution, for comparisons; the results are the same)."""
     if model_name not in ARCHITECTURES:

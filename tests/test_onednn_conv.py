@@ -120,7 +120,7 @@ def test_oneDNN_runs_training_batchnorm_on_the_convolutions_blocked_output(isa):
     """A training step: every BatchNorm runs in oneDNN's jit code on channel blocks (16 with AVX-512, else 8),
     forward on batch statistics and backward, and no convolution pass runs a reference kernel (with AVX-512, none
     runs GEMM either). At 32x32 layer4's seven one-pixel convolutions (1x1 input and output) run as three matrix
-    products each, on the plain weights."""
+    products each, on the plain weights. The images' gradient is not computed."""
     block = native_channel_block(isa)
     log = onednn_exec_log(["-c", TRAIN_VERBOSE_SCRIPT], isa)
     norms = [fields for fields in log if fields[5] == "batch_normalization"]
@@ -129,7 +129,8 @@ def test_oneDNN_runs_training_batchnorm_on_the_convolutions_blocked_output(isa):
         assert "ref" not in fields[6] and f"blocked:aBcd{block}b:" in fields[8], fields
     convolutions = [fields for fields in log if fields[5] == "convolution"]
     kinds = sorted(fields[7] for fields in convolutions)
-    assert kinds == ["backward_data"] * 46 + ["backward_weights"] * 46 + ["forward_training"] * 46
+    # No backward_data for the stem: nothing uses the images' gradient, so the graph drops its native call.
+    assert kinds == ["backward_data"] * 45 + ["backward_weights"] * 46 + ["forward_training"] * 46
     for fields in convolutions:
         assert "ref" not in fields[6] and (block == 8 or "gemm" not in fields[6]), fields
         assert not re.search(r"ih1oh1.*iw1ow1", fields[-2]), fields  # one-pixel ones are matrix products
@@ -214,13 +215,19 @@ def conv_batchnorm_results(conv: nn.Conv2d, bn: nn.BatchNorm2d, x: np.ndarray, u
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[2]}x{c[2]}s{c[3]}p{c[4]}_{c[0]}to{c[1]}_h{c[5]}")
 @pytest.mark.parametrize("mode", [pytest.param(ms.GRAPH_MODE, marks=pytest.mark.slow), ms.PYNATIVE_MODE],
                          ids=["graph", "pynative"])
-def test_convolution_with_batchnorm_equals_conv2d_then_batchnorm2d(case, mode):
+@pytest.mark.parametrize("deferred", [False, True], ids=["", "deferred_input_gradient"])
+def test_convolution_with_batchnorm_equals_conv2d_then_batchnorm2d(case, mode, deferred):
     """Training: the fused convolution + BatchNorm gives nn.Conv2d + nn.BatchNorm2d's output, moving statistics
-    and gradients (input, weights, gamma, beta)."""
+    and gradients (input, weights, gamma, beta); also with the input gradient in a native call of its own (a
+    network's first convolution), which runs when the input gradient is asked for, as here."""
     ms.set_context(mode=mode)
     ci, co, k, s, p, h = case
     plain, blocked = conv_pair(ci, co, k, s, p)
     assert blocked.batchnorm_op is not None
+    if deferred:
+        undeferred = blocked.batchnorm_op
+        blocked.defer_input_gradient()
+        assert blocked.batchnorm_op is not undeferred
     rng = np.random.default_rng(4)
     norms = [nn.BatchNorm2d(co, eps=1e-5, momentum=0.9) for _ in range(2)]
     for name in ("gamma", "beta", "moving_mean", "moving_variance"):
