@@ -124,8 +124,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--recipes", type=_recipes, default="O0",
                         help="MindSpore training recipes, comma separated: amp_level O0-O3, with -sink for the loss "
                              "read once per timing of --steps steps as with dataset_sink_mode, then -plain for the "
-                             "activations reordered to the plain layout around every native convolution "
-                             "(e.g. O0,O2,O3,O0-sink,O0-plain); "
+                             "activations reordered to the plain layout around every native convolution, then "
+                             "-nn_adam for MindSpore's nn.Adam instead of the native one-pass Adam "
+                             "(e.g. O0,O2,O3,O0-sink,O0-plain,O0-nn_adam); "
                              "the first is compared with PyTorch, all of them with the first")
     parser.add_argument("--isa", choices=("native", "avx2"), default="native",
                         help="instruction set: native (what the CPU has, or ONEDNN_MAX_CPU_ISA if you set it), or "

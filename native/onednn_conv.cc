@@ -21,6 +21,7 @@
 // and each layer's weights are reordered into the kernel's layout once per weights version.
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <condition_variable>
 #include <cstdint>
 #include <cstdio>
@@ -942,6 +943,95 @@ int LaunchMaxPool(int kernel, int stride, int padding, int nparam, void **params
   });
 }
 
+// One Adam step of `count` elements. Scalar, the square root and division make it compute-bound, so it is
+// vectorised, for the best ISA the CPU has (clones chosen at load time); IEEE sqrt and division, no contraction
+// into FMAs: every clone computes what the scalar code does (no errno from sqrt: it would stop vectorisation).
+__attribute__((target_clones("avx512f", "avx2", "default"), optimize("O3", "fp-contract=off")))
+void AdamStep(float *__restrict w, float *__restrict m, float *__restrict v, const float *__restrict g,
+              int64_t count, float decay, float beta1, float beta2, float eps, float step) {
+  for (int64_t i = 0; i < count; ++i) {
+    const float grad = g[i] + w[i] * decay;
+    const float m_new = m[i] + (grad - m[i]) * (1.0f - beta1);
+    const float v_new = v[i] + (grad * grad - v[i]) * (1.0f - beta2);
+    m[i] = m_new;
+    v[i] = v_new;
+    w[i] -= step * m_new / (__builtin_sqrtf(v_new) + eps);
+  }
+}
+
+// Adam with L2 weight decay over every parameter in one pass, in place: what MindSpore's nn.Adam computes with
+// its decay (gradient + decay * weight, an addition and a multiplication per parameter, each a pass over memory)
+// before its Adam kernel, as one read of weight, gradient and moments and one write of weight and moments.
+// params: lr, beta1, beta2, eps, beta1_power, beta2_power (float32, one value each; the powers after this step's
+// update), decays (float32, one per parameter), then n weights, n first moments, n second moments, n gradients (any
+// shapes, float32), then the output (float32 [1], set to 0). Weights and moments are updated where they lie.
+int LaunchAdamUpdate(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes) {
+  const char *what = "onednn_conv adam update";
+  constexpr int kScalars = 6, kFirstWeight = kScalars + 1;
+  const int tensors = nparam - kFirstWeight - 1;
+  if (tensors <= 0 || tensors % 4 != 0) {
+    std::fprintf(stderr, "%s: expected 6 scalars, decays, 4 x n tensors and an output, got %d tensors\n", what,
+                 nparam);
+    return 1;
+  }
+  const int n = tensors / 4;
+  for (int i = 0; i < nparam; ++i) {
+    if (std::strcmp(dtypes[i], "float32") != 0) {
+      std::fprintf(stderr, "%s: tensor %d must be float32, got %s\n", what, i, dtypes[i]);
+      return 1;
+    }
+  }
+  auto elements = [&](int i) {
+    int64_t count = 1;
+    for (int d = 0; d < ndims[i]; ++d) count *= shapes[i][d];
+    return count;
+  };
+  for (int i = 0; i < kScalars; ++i) {
+    if (elements(i) != 1) {
+      std::fprintf(stderr, "%s: input %d must hold one value, got %lld\n", what, i,
+                   static_cast<long long>(elements(i)));
+      return 1;
+    }
+  }
+  if (elements(kScalars) != n) {
+    std::fprintf(stderr, "%s: decays must hold %d values, got %lld\n", what, n,
+                 static_cast<long long>(elements(kScalars)));
+    return 1;
+  }
+  std::vector<int64_t> sizes(n);
+  for (int k = 0; k < n; ++k) {
+    sizes[k] = elements(kFirstWeight + k);
+    for (int part = 1; part < 4; ++part) {
+      if (elements(kFirstWeight + part * n + k) != sizes[k]) {
+        std::fprintf(stderr, "%s: parameter %d's moments and gradient differ in size from it\n", what, k);
+        return 1;
+      }
+    }
+  }
+  auto scalar = [&](int i) { return *static_cast<const float *>(params[i]); };
+  const float lr = scalar(0), beta1 = scalar(1), beta2 = scalar(2), eps = scalar(3);
+  const float *decays = static_cast<const float *>(params[kScalars]);
+  // MindSpore's Adam kernel: the bias corrections folded into the step size, eps added to sqrt(v) uncorrected.
+  const float step = lr * std::sqrt(1.0f - scalar(5)) / (1.0f - scalar(4));
+  // Work in chunks small enough to balance two or more threads and large enough to stream.
+  constexpr int64_t kChunk = 1 << 16;
+  std::vector<std::pair<int, int64_t>> chunks;  // (parameter, first element)
+  for (int k = 0; k < n; ++k) {
+    for (int64_t first = 0; first < sizes[k]; first += kChunk) chunks.emplace_back(k, first);
+  }
+  return Guarded(what, [&] {
+    auto &executor = Executor::Get();
+    auto lock = executor.Begin();
+    executor.pool.parallel_for(static_cast<int>(chunks.size()), [&](int index, int) {
+      const int k = chunks[index].first;
+      const int64_t first = chunks[index].second, last = std::min(sizes[k], first + kChunk);
+      auto tensor = [&](int part) { return static_cast<float *>(params[kFirstWeight + part * n + k]) + first; };
+      AdamStep(tensor(0), tensor(1), tensor(2), tensor(3), last - first, decays[k], beta1, beta2, eps, step);
+    });
+    *static_cast<float *>(params[nparam - 1]) = 0.0f;
+  });
+}
+
 }  // namespace
 
 #define ONEDNN_CONV_EXPORT(NAME, DIRECTION, STRIDE, PADDING)                                                    \
@@ -1024,6 +1114,12 @@ ONEDNN_INFERENCE_EXPORT_ALL(2, 0)
 ONEDNN_INFERENCE_EXPORT_ALL(2, 1)
 ONEDNN_INFERENCE_EXPORT_ALL(2, 2)
 ONEDNN_INFERENCE_EXPORT_ALL(2, 3)
+
+// The optimizer: Adam with L2 weight decay, in place (see LaunchAdamUpdate).
+extern "C" int AdamUpdate(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes, void *,
+                          void *) {
+  return LaunchAdamUpdate(nparam, params, ndims, shapes, dtypes);
+}
 
 // ResNet's stem pool (kernel 3, stride 2, padding 1).
 extern "C" int MaxPool_k3_s2_p1(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,

@@ -106,15 +106,16 @@ def _time_steps(run_step: Callable[[], None], warmup: int, repeats: int, steps: 
     return timings
 
 
-RECIPE_PATTERN = re.compile(r"^O[0-3](-sink)?(-plain)?$")
+RECIPE_PATTERN = re.compile(r"^O[0-3](-sink)?(-plain)?(-nn_adam)?$")
 
 
 def check_recipe(recipe: str) -> str:
     """A training recipe name: an amp_level O0-O3, with -sink for the loss read once per sink (here: per timing) and
     -plain for activations reordered to the plain layout around every native convolution (build_resnet's
-    blocked_activations=False)."""
+    blocked_activations=False), -nn_adam for MindSpore's nn.Adam where the native library would run Adam."""
     if not RECIPE_PATTERN.match(recipe):
-        raise ValueError(f"unknown recipe {recipe!r}: an amp_level O0-O3, optionally followed by -sink, then -plain")
+        raise ValueError(f"unknown recipe {recipe!r}: an amp_level O0-O3, optionally followed by -sink, then -plain, "
+                         f"then -nn_adam")
     return recipe
 
 
@@ -152,7 +153,7 @@ def mindspore_step(mode: str, model_name: str, image_size: int, batch_size: int,
     ms.set_context(mode=ms.GRAPH_MODE)
     config = load_config([], prog="benchmark.py")
     net = build_resnet(model_name, config.class_num, conv_implementation=conv_implementation,
-                       blocked_activations=not recipe.endswith("-plain"))
+                       blocked_activations="-plain" not in recipe)
     rng = np.random.default_rng(0)
     images = ms.Tensor(rng.standard_normal((batch_size, 3, image_size, image_size), np.float32))
     labels = ms.Tensor(rng.integers(0, config.class_num, batch_size).astype(np.int32))
@@ -168,7 +169,8 @@ def mindspore_step(mode: str, model_name: str, image_size: int, batch_size: int,
             ran = "fused-blocked" if inference_net.runs_blocked else "fused-nhwc"
         return lambda: inference_net(images).asnumpy(), ran, None
     learning_rates = schedule_from_config(config.replace(epoch_size=1, warmup_epochs=0), total_steps)
-    optimizer = build_optimizer(config, net.trainable_params(), learning_rates)
+    optimizer = build_optimizer(config, net.trainable_params(), learning_rates,
+                                native=conv_implementation == "onednn_blocked" and "-nn_adam" not in recipe)
     level = check_recipe(recipe).split("-")[0]
     amp = AmpSetting(level, None if level == "O0" else config.loss_scale)
     sink = "-sink" in recipe

@@ -291,9 +291,9 @@ def build_resnet(model_name: str, num_classes: int = 1000, zero_init_residual: b
     parameters, so checkpoints are the same. stem: "imagenet" (torchvision's 7x7 stride-2 conv1 and max pool) or
     "cifar" (a 3x3 stride-1 conv1, no max pool); the parameter names are the same, conv1.weight's shape differs.
     semantics: "torch" (this project's), "mindcv" or "models_zoo": computes as that zoo's ResNet does (padding,
-    BatchNorm eps; src/architectures.py variant_of), with the same parameter names. blocked_activations: with onednn_blocked,
-    a training step keeps layer1..layer4's activations in channel blocks where it can (False: reordered to the plain
-    layout around every convolution, for comparisons; the results are the same)."""
+    BatchNorm eps; src/architectures.py variant_of), with the same parameter names. blocked_activations: with
+    onednn_blocked, a training step keeps layer1..layer4's activations in channel blocks where it can (False:
+    reordered to the plain layout around every convolution, for comparisons; the results are the same)."""
     if model_name not in ARCHITECTURES:
         raise ValueError(f"unknown model_name {model_name!r}; choose one of {', '.join(ARCHITECTURES)}")
     if stem not in STEMS:

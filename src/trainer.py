@@ -23,6 +23,7 @@ from src.evaluation import EvalResult, average_batchnorm_statistics, evaluate
 from src.fused_inference import inference_network
 from src.lr_schedule import schedule_from_config
 from src.metrics_file import MetricsFile
+from src.native_optimizer import NativeAdam
 from src.plotting import plot_training_curves
 from src.profiling import StepProfiler
 from src.resnet import build_resnet
@@ -78,9 +79,11 @@ def weights_digest(net: nn.Cell) -> str:
     return digest.hexdigest()
 
 
-def build_optimizer(config, params, learning_rates: np.ndarray) -> nn.Optimizer:
+def build_optimizer(config, params, learning_rates: np.ndarray, native: bool = False) -> nn.Optimizer:
     """Adam or momentum SGD (Nesterov with config.nesterov) over params, with weight decay on every parameter as in
     torch.optim, or, with config.no_weight_decay_bn_bias, on every parameter but BatchNorm's and biases (1-D ones).
+    native (the native library in use, float32 parameters on CPU): Adam's update, decay included, runs as one
+    native pass (src/native_optimizer.py), with nn.Adam's results.
 
     The parameters go in as explicit groups: given a plain list, MindSpore's optimizers skip weight decay for
     BatchNorm gamma/beta, which the reference's torch.optim.Adam does not.
@@ -94,7 +97,7 @@ def build_optimizer(config, params, learning_rates: np.ndarray) -> nn.Optimizer:
     else:
         group = [{"params": params, "weight_decay": config.weight_decay}]
     if config.optimizer == "adam":
-        return nn.Adam(group, learning_rate=lr)
+        return NativeAdam(group, learning_rate=lr) if native else nn.Adam(group, learning_rate=lr)
     if config.nesterov:
         # nn.SGD: MindSpore 2.10's nn.Momentum ignores use_nesterov on CPU (its updates equal plain momentum's);
         # nn.SGD's match torch.optim.SGD(nesterov=True) (tests/test_optimizer.py).
@@ -133,7 +136,8 @@ class Trainer:
         self.ema_net: Optional[nn.Cell] = None  # a network holding the EMA's weights, to evaluate them
         self.ema_inference_net: Optional[nn.Cell] = None
         self.learning_rates = schedule_from_config(config, self.steps_per_epoch)
-        self.optimizer = build_optimizer(config, self.net.trainable_params(), self.learning_rates)
+        self.optimizer = build_optimizer(config, self.net.trainable_params(), self.learning_rates,
+                                         native=env.conv_implementation == "onednn_blocked")
         self.amp = resolve_amp(config, env.device_target, logger)
         self.sink_mode = config.dataset_sink_mode
         self.step = build_train_step(self.net, self.optimizer, config, self.amp, sink=self.sink_mode, ema=self.ema)

@@ -232,7 +232,8 @@ def test_recipes_table_compares_each_training_recipe_with_the_first():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("recipe, conv", [("O2", "mindspore"), ("O0-sink", "onednn_blocked")])
+@pytest.mark.parametrize("recipe, conv", [("O2", "mindspore"), ("O0-sink", "onednn_blocked"),
+                                          ("O0-plain-nn_adam", "onednn_blocked")])
 def test_a_training_recipe_runs_as_train_py_builds_it(recipe, conv):
     """O2 trains float16 with MindSpore's convolutions (the native ones are float32 only); -sink reads the loss
     once per timing."""

@@ -49,6 +49,7 @@ torch = pytest.importorskip("torch")
 torchvision = pytest.importorskip("torchvision")
 
 from conftest import in_fresh_process, randomise_batchnorm, read_ckpt_entries, rel_diff
+from src.native_optimizer import NativeAdam
 from src.resnet import Bottleneck, build_resnet, conv_bn
 from src.weights.convert import convert_pth_to_ckpt, torchvision_resnet
 from src.weights.names import mindspore_to_torch_name
@@ -516,18 +517,19 @@ def test_one_adam_step_gives_equal_weights(parity):
 
 
 
-def test_adam_matches_torch_over_several_steps():
+@pytest.mark.parametrize("adam", [nn.Adam, NativeAdam], ids=["nn_adam", "native_adam"])
+def test_adam_matches_torch_over_several_steps(adam):
     """The optimizer alone over three steps (a first step cannot show beta1: the bias correction cancels it):
-    nn.Adam in the group form and torch.optim.Adam with the same lr, betas, eps and weight_decay, fed the same
-    gradients, keep equal weights. The gradients are far above eps, where MindSpore's eps placement (eps added
-    before the bias correction) changes a step by under 1e-4 lr."""
+    nn.Adam (or NativeAdam, its one-pass form) in the group form and torch.optim.Adam with the same lr, betas, eps
+    and weight_decay, fed the same gradients, keep equal weights. The gradients are far above eps, where MindSpore's
+    eps placement (eps added before the bias correction) changes a step by under 1e-4 lr."""
     rng = np.random.default_rng(7)
     shapes = {"conv.weight": (8, 4, 3, 3), "bn.gamma": (8,), "bn.beta": (8,), "fc.weight": (5, 8), "fc.bias": (5,)}
     start = {name: rng.standard_normal(shape).astype(np.float32) for name, shape in shapes.items()}
     ms_params = [ms.Parameter(ms.Tensor(value.copy()), name=name) for name, value in start.items()]
     torch_params = [torch.nn.Parameter(torch.from_numpy(value.copy())) for value in start.values()]
-    ms_adam = nn.Adam([{"params": ms_params, "weight_decay": WEIGHT_DECAY}], learning_rate=LR, beta1=BETAS[0],
-                      beta2=BETAS[1], eps=EPS)
+    ms_adam = adam([{"params": ms_params, "weight_decay": WEIGHT_DECAY}], learning_rate=LR, beta1=BETAS[0],
+                   beta2=BETAS[1], eps=EPS)
     torch_adam = torch.optim.Adam(torch_params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
     steps = 3
     for _ in range(steps):
