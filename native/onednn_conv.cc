@@ -944,19 +944,38 @@ int LaunchMaxPool(int kernel, int stride, int padding, int nparam, void **params
 }
 
 // One Adam step of `count` elements. Scalar, the square root and division make it compute-bound, so it is
-// vectorised, for the best ISA the CPU has (clones chosen at load time); IEEE sqrt and division, no contraction
-// into FMAs: every clone computes what the scalar code does (no errno from sqrt: it would stop vectorisation).
-__attribute__((target_clones("avx512f", "avx2", "default"), optimize("O3", "fp-contract=off")))
-void AdamStep(float *__restrict w, float *__restrict m, float *__restrict v, const float *__restrict g,
-              int64_t count, float decay, float beta1, float beta2, float eps, float step) {
-  for (int64_t i = 0; i < count; ++i) {
-    const float grad = g[i] + w[i] * decay;
-    const float m_new = m[i] + (grad - m[i]) * (1.0f - beta1);
-    const float v_new = v[i] + (grad * grad - v[i]) * (1.0f - beta2);
-    m[i] = m_new;
-    v[i] = v_new;
-    w[i] -= step * m_new / (__builtin_sqrtf(v_new) + eps);
+// compiled for AVX-512, AVX2 and the baseline, and run on the widest that oneDNN's ISA in effect allows (which
+// honours ONEDNN_MAX_CPU_ISA, as benchmark.py --isa avx2 expects). IEEE sqrt and division, no contraction into
+// FMAs: every variant computes what the scalar code does.
+#define ADAM_STEP_LOOP                                                        \
+  for (int64_t i = 0; i < count; ++i) {                                       \
+    const float grad = g[i] + w[i] * decay;                                   \
+    const float m_new = m[i] + (grad - m[i]) * (1.0f - beta1);                \
+    const float v_new = v[i] + (grad * grad - v[i]) * (1.0f - beta2);         \
+    m[i] = m_new;                                                             \
+    v[i] = v_new;                                                             \
+    w[i] -= step * m_new / (__builtin_sqrtf(v_new) + eps);                    \
   }
+#define ADAM_STEP_ARGS                                                                                     \
+  float *__restrict w, float *__restrict m, float *__restrict v, const float *__restrict g, int64_t count, \
+      float decay, float beta1, float beta2, float eps, float step
+
+__attribute__((target("avx512f"), optimize("O3", "fp-contract=off"))) void AdamStepAvx512(ADAM_STEP_ARGS) {
+  ADAM_STEP_LOOP
+}
+__attribute__((target("avx2"), optimize("O3", "fp-contract=off"))) void AdamStepAvx2(ADAM_STEP_ARGS) {
+  ADAM_STEP_LOOP
+}
+__attribute__((optimize("O3", "fp-contract=off"))) void AdamStepBaseline(ADAM_STEP_ARGS) { ADAM_STEP_LOOP }
+
+using AdamStepFunction = void (*)(ADAM_STEP_ARGS);
+
+AdamStepFunction ChooseAdamStep() {
+  const int isa = static_cast<int>(dnnl::get_effective_cpu_isa());
+  const int avx512 = static_cast<int>(dnnl::cpu_isa::avx512_core), avx2 = static_cast<int>(dnnl::cpu_isa::avx2);
+  if ((isa & avx512) == avx512 && __builtin_cpu_supports("avx512f")) return AdamStepAvx512;
+  if ((isa & avx2) == avx2 && __builtin_cpu_supports("avx2")) return AdamStepAvx2;
+  return AdamStepBaseline;
 }
 
 // Adam with L2 weight decay over every parameter in one pass, in place: what MindSpore's nn.Adam computes with
@@ -1019,6 +1038,7 @@ int LaunchAdamUpdate(int nparam, void **params, int *ndims, int64_t **shapes, co
   for (int k = 0; k < n; ++k) {
     for (int64_t first = 0; first < sizes[k]; first += kChunk) chunks.emplace_back(k, first);
   }
+  static const AdamStepFunction adam_step = ChooseAdamStep();
   return Guarded(what, [&] {
     auto &executor = Executor::Get();
     auto lock = executor.Begin();
@@ -1026,7 +1046,7 @@ int LaunchAdamUpdate(int nparam, void **params, int *ndims, int64_t **shapes, co
       const int k = chunks[index].first;
       const int64_t first = chunks[index].second, last = std::min(sizes[k], first + kChunk);
       auto tensor = [&](int part) { return static_cast<float *>(params[kFirstWeight + part * n + k]) + first; };
-      AdamStep(tensor(0), tensor(1), tensor(2), tensor(3), last - first, decays[k], beta1, beta2, eps, step);
+      adam_step(tensor(0), tensor(1), tensor(2), tensor(3), last - first, decays[k], beta1, beta2, eps, step);
     });
     *static_cast<float *>(params[nparam - 1]) = 0.0f;
   });
@@ -1133,6 +1153,12 @@ extern "C" int onednn_conv_set_threads(int threads) {
   if (pool_threads.load() > 0) return pool_threads.load();
   if (threads > 0) requested_threads.store(threads);
   return ThreadCount();
+}
+
+// The vector width in bits (512, 256 or 128) the Adam update runs with, for tests of the ISA cap.
+extern "C" int onednn_conv_adam_vector_bits() {
+  const AdamStepFunction chosen = ChooseAdamStep();
+  return chosen == AdamStepAvx512 ? 512 : chosen == AdamStepAvx2 ? 256 : 128;
 }
 
 // The channel block of the blocked layouts (16 or 8), for Python's shapes and fallbacks.

@@ -79,3 +79,15 @@ def test_native_adam_refuses_what_its_update_does_not_compute():
         NativeAdam([ms.Parameter(ms.Tensor(np.ones(3, np.float16)), name="half")], learning_rate=0.1)
     with pytest.raises(ValueError, match="loss_scale"):
         NativeAdam([{"params": _parameters("lr"), "lr": 0.5}], learning_rate=0.1)
+
+
+def test_the_update_runs_at_the_vector_width_onednns_isa_allows():
+    """AVX-512 only where oneDNN runs AVX-512 code (ONEDNN_MAX_CPU_ISA caps both: benchmark.py --isa avx2, and
+    the tests' own AVX2 cap), AVX2 under an AVX2 cap."""
+    import ctypes
+    from src.onednn_conv import channel_block, usable_library
+    bits = ctypes.CDLL(usable_library()).onednn_conv_adam_vector_bits()
+    with open("/proc/cpuinfo") as cpuinfo:
+        flags = cpuinfo.read()
+    assert bits == (512 if channel_block() == 16 else 256 if " avx2" in flags else 128)
+

@@ -274,8 +274,9 @@ def test_channel_block_follows_the_isa_in_effect():
 
 # The in-process tests run under conftest's AVX2 cap, so on 8-channel blocks; these are the numerics tests to rerun
 # uncapped, where an AVX-512 CPU takes 16-channel blocks and other kernels.
-UNCAPPED_TESTS = ["tests/test_onednn_conv.py", "tests/test_fused_inference.py", "-k",
-                  "equal or computes or refresh or keep_their_own or channel_block_follows"]
+UNCAPPED_TESTS = ["tests/test_onednn_conv.py", "tests/test_fused_inference.py", "tests/test_native_optimizer.py", "-k",
+                  "equal or computes or refresh or keep_their_own or channel_block_follows or follows_nn_adam "
+                  "or vector_width"]
 
 
 @pytest.mark.skipif(not cpu_has_avx512(), reason="no AVX-512: the in-process tests cover the 8-channel blocks")
