@@ -105,6 +105,13 @@ def build_optimizer(config, params, learning_rates: np.ndarray, native: bool = F
     return nn.Momentum(group, learning_rate=lr, momentum=config.momentum)
 
 
+def native_update_allowed(config, conv_implementation: str) -> bool:
+    """Whether the optimizer may be the native one (with the native library in use). It writes the weights in
+    place, unseen by MindSpore's graph: nothing in the step's graph may read them after the update, and an EMA
+    updated inside a sink's graph does (in graph mode it then read the weights from before the update)."""
+    return conv_implementation == "onednn_blocked" and not (config.ema_decay > 0 and config.dataset_sink_mode)
+
+
 class Trainer:
     """One training run as configured; run() returns when epoch_size epochs are done.
 
@@ -137,7 +144,7 @@ class Trainer:
         self.ema_inference_net: Optional[nn.Cell] = None
         self.learning_rates = schedule_from_config(config, self.steps_per_epoch)
         self.optimizer = build_optimizer(config, self.net.trainable_params(), self.learning_rates,
-                                         native=env.conv_implementation == "onednn_blocked")
+                                         native=native_update_allowed(config, env.conv_implementation))
         self.amp = resolve_amp(config, env.device_target, logger)
         self.sink_mode = config.dataset_sink_mode
         self.step = build_train_step(self.net, self.optimizer, config, self.amp, sink=self.sink_mode, ema=self.ema)

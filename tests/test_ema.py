@@ -18,12 +18,21 @@ RECIPE = ["--model_name", "resnet18", "--batch_size", "8", "--train_num_samples"
           "--epoch_size", "2", "--ema_decay", "0.9", "--stem", "cifar", *FAST_ARGS]
 
 
-@pytest.mark.parametrize("sink", [False, True])
-@pytest.mark.parametrize("optimizer", ["momentum", "native_adam"])
+@pytest.mark.parametrize("sink, optimizer", [(False, "momentum"), (True, "momentum"), (False, "native_adam")])
 def test_the_ema_follows_the_weights_after_each_update(sink, optimizer):
     """One step, decay d: ema = d * before + (1 - d) * after, for weights and BatchNorm statistics; so the EMA is
     updated after the optimizer (in the sink's graph too, where only the order of side effects decides it; the
-    native Adam writes the weights unseen by that order, and has its own link to it)."""
+    native Adam writes the weights unseen by that order, so training keeps it out of a sink's graph with an EMA:
+    test_native_update_stays_out_of_a_sink_with_an_ema)."""
+    previous_mode = ms.get_context("mode")
+    ms.set_context(mode=ms.GRAPH_MODE)  # MindSpore's default is PyNative, which runs ops as written
+    try:
+        _check_the_ema_follows_one_update(sink, optimizer)
+    finally:
+        ms.set_context(mode=previous_mode)
+
+
+def _check_the_ema_follows_one_update(sink, optimizer):
     ms.set_seed(0)
     native = optimizer == "native_adam"
     config = load_config(["--optimizer", "adam" if native else "momentum", "--lr", "0.05" if native else "0.5"])
@@ -120,3 +129,14 @@ def test_a_run_with_ema_stopped_mid_epoch_resumes_to_the_same_ema(ema_run, cifar
     assert averaged
     for name in averaged:
         assert np.array_equal(ours[name].asnumpy(), theirs[name].asnumpy()), name
+
+
+def test_native_update_stays_out_of_a_sink_with_an_ema():
+    from src.trainer import native_update_allowed
+    assert native_update_allowed(load_config([]), "onednn_blocked")
+    assert native_update_allowed(load_config(["--ema_decay", "0.9"]), "onednn_blocked")  # EMA in its own graph
+    assert native_update_allowed(load_config(["--dataset_sink_mode", "true"]), "onednn_blocked")
+    assert not native_update_allowed(load_config(["--ema_decay", "0.9", "--dataset_sink_mode", "true"]),
+                                     "onednn_blocked")
+    assert not native_update_allowed(load_config([]), "mindspore")
+
