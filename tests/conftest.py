@@ -48,6 +48,17 @@ def give_freed_memory_back():
         pass
 
 
+@pytest.fixture(autouse=True)
+def mindspore_mode_restored():
+    """Each test leaves MindSpore in the execution mode it found (PyNative after collection): a test that switches
+    to graph mode must not leak it into the next file, where a network changed after its first call would keep
+    running its first compiled graph (test_checkpoint_formats swaps layers of a network it has run)."""
+    import mindspore as ms
+    mode = ms.get_context("mode")
+    yield
+    ms.set_context(mode=mode)
+
+
 @contextlib.contextmanager
 def memory_heavy() -> Iterator[None]:
     """Runs its block while no other test process of this run is inside such a block: the parts of the suite

@@ -24,15 +24,8 @@ def test_the_ema_follows_the_weights_after_each_update(sink, optimizer):
     updated after the optimizer (in the sink's graph too, where only the order of side effects decides it; the
     native Adam writes the weights unseen by that order, so training keeps it out of a sink's graph with an EMA:
     test_native_update_stays_out_of_a_sink_with_an_ema)."""
-    previous_mode = ms.get_context("mode")
-    ms.set_context(mode=ms.GRAPH_MODE)  # MindSpore's default is PyNative, which runs ops as written
-    try:
-        _check_the_ema_follows_one_update(sink, optimizer)
-    finally:
-        ms.set_context(mode=previous_mode)
-
-
-def _check_the_ema_follows_one_update(sink, optimizer):
+    # MindSpore's default is PyNative, which runs ops as written (conftest restores the mode after the test).
+    ms.set_context(mode=ms.GRAPH_MODE)
     ms.set_seed(0)
     native = optimizer == "native_adam"
     config = load_config(["--optimizer", "adam" if native else "momentum", "--lr", "0.05" if native else "0.5"])
