@@ -761,10 +761,15 @@ int Launch(Direction direction, int stride, int padding, int nparam, void **para
   return Guarded("onednn_conv", [&] { Runtime::Get().Run(direction, shape, first, second, params[nparam - 1]); });
 }
 
-// (x blocked, y blocked) from a layouts tensor (int64: x's, y's; 0 plain NCHW, 1 channel blocks), checked against
-// the tensors' channels; false (with a message) when it can't be used.
-bool ReadTrainingLayouts(const char *what, const int64_t *layouts, const Shape &shape, bool *x_blocked,
+// (x blocked, y blocked) from a layouts tensor of `count` numbers (int64: x's, y's; 0 plain NCHW, 1 channel
+// blocks), checked against the tensors' channels; false (with a message) when it can't be used.
+bool ReadTrainingLayouts(const char *what, const int64_t *layouts, int64_t count, const Shape &shape, bool *x_blocked,
                          bool *y_blocked) {
+  if (count != 2) {
+    std::fprintf(stderr, "%s: the layouts (x's, y's) must be 2 numbers, got %lld\n", what,
+                 static_cast<long long>(count));
+    return false;
+  }
   for (int i = 0; i < 2; ++i) {
     if (layouts[i] != 0 && layouts[i] != 1) {
       std::fprintf(stderr, "%s: layout %lld is neither 0 (plain) nor 1 (blocked)\n", what,
@@ -802,7 +807,10 @@ int LaunchConvBnForward(int stride, int padding, int nparam, void **params, int 
     return 1;
   }
   bool x_blocked, y_blocked;
-  if (!ReadTrainingLayouts(what, static_cast<const int64_t *>(params[7]), shape, &x_blocked, &y_blocked)) return 1;
+  if (!ReadTrainingLayouts(what, static_cast<const int64_t *>(params[7]), shapes[7][0], shape, &x_blocked,
+                           &y_blocked)) {
+    return 1;
+  }
   const float *constants = static_cast<const float *>(params[6]);
   const float eps = constants[0], momentum = constants[1];
   return Guarded(what, [&] {
@@ -833,8 +841,8 @@ int LaunchConvBnBackward(bool defer_input, int stride, int padding, int nparam, 
   if (!CheckTensors(what, nparam, 13, ndims, dtypes, wanted_ndims, wanted_dtypes)) return 1;
   Shape shape{Dims(shapes[7]), Dims(shapes[8]), Dims(shapes[0]), {stride, stride}, {padding, padding}};
   bool x_blocked, y_blocked;
-  if (shapes[6][0] != 2 ||
-      !ReadTrainingLayouts(what, static_cast<const int64_t *>(params[6]), shape, &x_blocked, &y_blocked)) {
+  if (!ReadTrainingLayouts(what, static_cast<const int64_t *>(params[6]), shapes[6][0], shape, &x_blocked,
+                           &y_blocked)) {
     return 1;
   }
   const float eps = *static_cast<const float *>(params[5]);
@@ -856,8 +864,8 @@ int LaunchConvBnBackwardData(int stride, int padding, int nparam, void **params,
   if (!CheckTensors(what, nparam, 5, ndims, dtypes, wanted_ndims, wanted_dtypes)) return 1;
   Shape shape{Dims(shapes[3]), Dims(shapes[1]), Dims(shapes[0]), {stride, stride}, {padding, padding}};
   bool x_blocked, y_blocked;
-  if (shapes[2][0] != 2 ||
-      !ReadTrainingLayouts(what, static_cast<const int64_t *>(params[2]), shape, &x_blocked, &y_blocked)) {
+  if (!ReadTrainingLayouts(what, static_cast<const int64_t *>(params[2]), shapes[2][0], shape, &x_blocked,
+                           &y_blocked)) {
     return 1;
   }
   return Guarded(what, [&] { Runtime::Get().ConvBnBackwardData(shape, x_blocked, params[0], params[1], params[4]); });

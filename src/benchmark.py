@@ -147,7 +147,7 @@ def mindspore_step(mode: str, model_name: str, image_size: int, batch_size: int,
     from src.model_utils.config import load_config
     from src.resnet import build_resnet
     from src.train_step import AmpSetting, build_train_step
-    from src.trainer import build_optimizer
+    from src.trainer import build_optimizer, native_update_allowed
 
     ms.set_seed(1)
     ms.set_context(mode=ms.GRAPH_MODE)
@@ -170,7 +170,7 @@ def mindspore_step(mode: str, model_name: str, image_size: int, batch_size: int,
         return lambda: inference_net(images).asnumpy(), ran, None
     learning_rates = schedule_from_config(config.replace(epoch_size=1, warmup_epochs=0), total_steps)
     optimizer = build_optimizer(config, net.trainable_params(), learning_rates,
-                                native=conv_implementation == "onednn_blocked" and "-nn_adam" not in recipe)
+                                native=native_update_allowed(config, conv_implementation) and "-nn_adam" not in recipe)
     level = check_recipe(recipe).split("-")[0]
     amp = AmpSetting(level, None if level == "O0" else config.loss_scale)
     sink = "-sink" in recipe
