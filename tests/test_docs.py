@@ -3,9 +3,12 @@ marker pytest.ini registers, every config key is documented with the yaml's own 
 short, and the text cites no commits and links only to files in the repository."""
 import configparser
 import re
+import subprocess
+import sys
 from pathlib import Path
 from urllib.parse import unquote
 
+import pytest
 import yaml
 
 from conftest import REPO
@@ -42,6 +45,24 @@ def test_readme_names_the_fast_loop_and_pytest_ini_registers_slow():
     assert any(re.match(r"slow: \S", marker) for marker in markers), markers
     addopts = ini.get("pytest", "addopts", fallback="").split()
     assert "-m" not in addopts and not any(option.startswith("-m") for option in addopts), addopts
+
+
+@pytest.mark.slow
+def test_pytest_ini_removes_the_folders_of_tests_that_passed(tmp_path):
+    """A whole run writes about 15 GB into tmp_path folders: with the repository's pytest.ini, a passing
+    test's folder goes when it ends and a failing test's stays for a look."""
+    kept = tmp_path / "kept"
+    (tmp_path / "test_probe.py").write_text(
+        "def test_passes(tmp_path):\n"
+        "    (tmp_path / 'checkpoint.ckpt').write_bytes(b'0' * 1024)\n"
+        "def test_fails(tmp_path):\n"
+        "    (tmp_path / 'checkpoint.ckpt').write_bytes(b'0' * 1024)\n"
+        "    assert False\n")
+    subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-c", str(REPO / "pytest.ini"),
+                    "--rootdir", str(tmp_path), "--basetemp", str(kept), str(tmp_path / "test_probe.py")],
+                   cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    left = sorted(path.parent.name for path in kept.glob("*/checkpoint.ckpt") if not path.parent.is_symlink())
+    assert left == ["test_fails0"], left
 
 
 def test_quickstart_command_is_in_the_readme():
