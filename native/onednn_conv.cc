@@ -951,10 +951,10 @@ int LaunchMaxPool(int kernel, int stride, int padding, int nparam, void **params
   });
 }
 
-// One Adam step of `count` elements. Scalar, the square root and division make it compute-bound, so it is
-// compiled for AVX-512, AVX2 and the baseline, and run on the widest that oneDNN's ISA in effect allows (which
-// honours ONEDNN_MAX_CPU_ISA, as benchmark.py --isa avx2 expects). IEEE sqrt and division, no contraction into
-// FMAs: every variant computes what the scalar code does.
+// The optimizers' steps over `count` elements. The square root and division make Adam compute-bound, so each
+// step is compiled for AVX-512, AVX2 and the baseline, and run on the widest that oneDNN's ISA in effect allows
+// (which honours ONEDNN_MAX_CPU_ISA, as benchmark.py --isa avx2 expects). IEEE sqrt and division, no contraction
+// into FMAs: every variant computes what the scalar code does, and what MindSpore's own kernels compute.
 #define ADAM_STEP_LOOP                                                        \
   for (int64_t i = 0; i < count; ++i) {                                       \
     const float grad = g[i] + w[i] * decay;                                   \
@@ -964,99 +964,178 @@ int LaunchMaxPool(int kernel, int stride, int padding, int nparam, void **params
     v[i] = v_new;                                                             \
     w[i] -= step * m_new / (__builtin_sqrtf(v_new) + eps);                    \
   }
+// nn.Momentum (MindSpore's ApplyMomentum): accum = accum * momentum + gradient, weight -= lr * accum.
+#define MOMENTUM_STEP_LOOP                                                    \
+  for (int64_t i = 0; i < count; ++i) {                                       \
+    const float grad = g[i] + w[i] * decay;                                   \
+    const float a_new = a[i] * momentum + grad;                               \
+    a[i] = a_new;                                                             \
+    w[i] -= lr * a_new;                                                       \
+  }
+// nn.SGD with nesterov (MindSpore's SGD kernel, dampening 0): the first step (stat > 0) sets accum to the
+// gradient and clears stat; the weight moves by lr * (gradient + momentum * accum).
+#define NESTEROV_STEP_LOOP                                                    \
+  for (int64_t i = 0; i < count; ++i) {                                       \
+    const float grad = g[i] + w[i] * decay;                                   \
+    const float a_new = s[i] > 0.0f ? grad : a[i] * momentum + grad;          \
+    a[i] = a_new;                                                             \
+    s[i] = 0.0f;                                                              \
+    w[i] -= lr * (grad + a_new * momentum);                                   \
+  }
 #define ADAM_STEP_ARGS                                                                                     \
   float *__restrict w, float *__restrict m, float *__restrict v, const float *__restrict g, int64_t count, \
       float decay, float beta1, float beta2, float eps, float step
+#define MOMENTUM_STEP_ARGS                                                                             \
+  float *__restrict w, float *__restrict a, const float *__restrict g, int64_t count, float decay, float lr, \
+      float momentum
+#define NESTEROV_STEP_ARGS                                                                                 \
+  float *__restrict w, float *__restrict a, float *__restrict s, const float *__restrict g, int64_t count, \
+      float decay, float lr, float momentum
+#define DEFINE_STEP_VARIANTS(NAME, ARGS, LOOP)                                                         \
+  __attribute__((target("avx512f"), optimize("O3", "fp-contract=off"))) void NAME##Avx512(ARGS) { LOOP } \
+  __attribute__((target("avx2"), optimize("O3", "fp-contract=off"))) void NAME##Avx2(ARGS) { LOOP }      \
+  __attribute__((optimize("O3", "fp-contract=off"))) void NAME##Baseline(ARGS) { LOOP }
 
-__attribute__((target("avx512f"), optimize("O3", "fp-contract=off"))) void AdamStepAvx512(ADAM_STEP_ARGS) {
-  ADAM_STEP_LOOP
-}
-__attribute__((target("avx2"), optimize("O3", "fp-contract=off"))) void AdamStepAvx2(ADAM_STEP_ARGS) {
-  ADAM_STEP_LOOP
-}
-__attribute__((optimize("O3", "fp-contract=off"))) void AdamStepBaseline(ADAM_STEP_ARGS) { ADAM_STEP_LOOP }
+DEFINE_STEP_VARIANTS(AdamStep, ADAM_STEP_ARGS, ADAM_STEP_LOOP)
+DEFINE_STEP_VARIANTS(MomentumStep, MOMENTUM_STEP_ARGS, MOMENTUM_STEP_LOOP)
+DEFINE_STEP_VARIANTS(NesterovStep, NESTEROV_STEP_ARGS, NESTEROV_STEP_LOOP)
 
-using AdamStepFunction = void (*)(ADAM_STEP_ARGS);
-
-AdamStepFunction ChooseAdamStep() {
+// The vector width (512, 256 or 128 bits) the steps run at: the widest oneDNN's ISA in effect and the CPU allow.
+int StepVectorBits() {
   const int isa = static_cast<int>(dnnl::get_effective_cpu_isa());
   const int avx512 = static_cast<int>(dnnl::cpu_isa::avx512_core), avx2 = static_cast<int>(dnnl::cpu_isa::avx2);
-  if ((isa & avx512) == avx512 && __builtin_cpu_supports("avx512f")) return AdamStepAvx512;
-  if ((isa & avx2) == avx2 && __builtin_cpu_supports("avx2")) return AdamStepAvx2;
-  return AdamStepBaseline;
+  if ((isa & avx512) == avx512 && __builtin_cpu_supports("avx512f")) return 512;
+  if ((isa & avx2) == avx2 && __builtin_cpu_supports("avx2")) return 256;
+  return 128;
 }
+
+template <typename Step>
+Step ChooseStep(Step avx512, Step avx2, Step baseline) {
+  const int bits = StepVectorBits();
+  return bits == 512 ? avx512 : bits == 256 ? avx2 : baseline;
+}
+
+// An optimizer update's inputs: `scalars` float32 values (one each), the decays (one per parameter), then `parts`
+// lists of n float32 tensors (weights first, the gradients last, the state between, each the weight's size), then
+// the output (float32 [1]). Checks them and splits the work into chunks small enough to balance two or more
+// threads and large enough to stream.
+struct UpdatePlan {
+  static constexpr int64_t kChunkElements = 1 << 16;
+  int n = 0;
+  const float *decays = nullptr;
+  std::vector<int64_t> sizes;
+  std::vector<std::pair<int, int64_t>> chunks;  // (parameter, first element)
+
+  bool Read(const char *what, int scalars, int parts, int nparam, int *ndims, int64_t **shapes,
+            const char **dtypes, void **params) {
+    const int tensors = nparam - scalars - 2;
+    if (tensors <= 0 || tensors % parts != 0) {
+      std::fprintf(stderr, "%s: expected %d scalars, decays, %d x n tensors and an output, got %d tensors\n", what,
+                   scalars, parts, nparam);
+      return false;
+    }
+    n = tensors / parts;
+    for (int i = 0; i < nparam; ++i) {
+      if (std::strcmp(dtypes[i], "float32") != 0) {
+        std::fprintf(stderr, "%s: tensor %d must be float32, got %s\n", what, i, dtypes[i]);
+        return false;
+      }
+    }
+    auto elements = [&](int i) {
+      int64_t count = 1;
+      for (int d = 0; d < ndims[i]; ++d) count *= shapes[i][d];
+      return count;
+    };
+    for (int i = 0; i < scalars; ++i) {
+      if (elements(i) != 1) {
+        std::fprintf(stderr, "%s: input %d must hold one value, got %lld\n", what, i,
+                     static_cast<long long>(elements(i)));
+        return false;
+      }
+    }
+    if (elements(scalars) != n) {
+      std::fprintf(stderr, "%s: decays must hold %d values, got %lld\n", what, n,
+                   static_cast<long long>(elements(scalars)));
+      return false;
+    }
+    decays = static_cast<const float *>(params[scalars]);
+    const int first_weight = scalars + 1;
+    sizes.resize(n);
+    for (int k = 0; k < n; ++k) {
+      sizes[k] = elements(first_weight + k);
+      for (int part = 1; part < parts; ++part) {
+        if (elements(first_weight + part * n + k) != sizes[k]) {
+          std::fprintf(stderr, "%s: parameter %d's state and gradient differ in size from it\n", what, k);
+          return false;
+        }
+      }
+    }
+    for (int k = 0; k < n; ++k) {
+      for (int64_t first = 0; first < sizes[k]; first += kChunkElements) chunks.emplace_back(k, first);
+    }
+    return true;
+  }
+
+  // Runs step(parameter, first element, element count) over every chunk on the pool, then zeroes the output.
+  template <typename Step>
+  int Run(const char *what, void *output, Step step) const {
+    return Guarded(what, [&] {
+      auto &executor = Executor::Get();
+      auto lock = executor.Begin();
+      executor.pool.parallel_for(static_cast<int>(chunks.size()), [&](int index, int) {
+        const int k = chunks[index].first;
+        const int64_t first = chunks[index].second;
+        step(k, first, std::min(sizes[k] - first, kChunkElements));
+      });
+      *static_cast<float *>(output) = 0.0f;
+    });
+  }
+};
+
+float Scalar(void **params, int i) { return *static_cast<const float *>(params[i]); }
 
 // Adam with L2 weight decay over every parameter in one pass, in place: what MindSpore's nn.Adam computes with
 // its decay (gradient + decay * weight, an addition and a multiplication per parameter, each a pass over memory)
 // before its Adam kernel, as one read of weight, gradient and moments and one write of weight and moments.
-// params: lr, beta1, beta2, eps, beta1_power, beta2_power (float32, one value each; the powers after this step's
-// update), decays (float32, one per parameter), then n weights, n first moments, n second moments, n gradients (any
-// shapes, float32), then the output (float32 [1], set to 0). Weights and moments are updated where they lie.
+// params: lr, beta1, beta2, eps, beta1_power, beta2_power (the powers after this step's update), decays, then n
+// weights, n first moments, n second moments, n gradients, then the output (set to 0).
 int LaunchAdamUpdate(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes) {
   const char *what = "onednn_conv adam update";
-  constexpr int kScalars = 6, kFirstWeight = kScalars + 1;
-  const int tensors = nparam - kFirstWeight - 1;
-  if (tensors <= 0 || tensors % 4 != 0) {
-    std::fprintf(stderr, "%s: expected 6 scalars, decays, 4 x n tensors and an output, got %d tensors\n", what,
-                 nparam);
-    return 1;
-  }
-  const int n = tensors / 4;
-  for (int i = 0; i < nparam; ++i) {
-    if (std::strcmp(dtypes[i], "float32") != 0) {
-      std::fprintf(stderr, "%s: tensor %d must be float32, got %s\n", what, i, dtypes[i]);
-      return 1;
-    }
-  }
-  auto elements = [&](int i) {
-    int64_t count = 1;
-    for (int d = 0; d < ndims[i]; ++d) count *= shapes[i][d];
-    return count;
-  };
-  for (int i = 0; i < kScalars; ++i) {
-    if (elements(i) != 1) {
-      std::fprintf(stderr, "%s: input %d must hold one value, got %lld\n", what, i,
-                   static_cast<long long>(elements(i)));
-      return 1;
-    }
-  }
-  if (elements(kScalars) != n) {
-    std::fprintf(stderr, "%s: decays must hold %d values, got %lld\n", what, n,
-                 static_cast<long long>(elements(kScalars)));
-    return 1;
-  }
-  std::vector<int64_t> sizes(n);
-  for (int k = 0; k < n; ++k) {
-    sizes[k] = elements(kFirstWeight + k);
-    for (int part = 1; part < 4; ++part) {
-      if (elements(kFirstWeight + part * n + k) != sizes[k]) {
-        std::fprintf(stderr, "%s: parameter %d's moments and gradient differ in size from it\n", what, k);
-        return 1;
-      }
-    }
-  }
-  auto scalar = [&](int i) { return *static_cast<const float *>(params[i]); };
-  const float lr = scalar(0), beta1 = scalar(1), beta2 = scalar(2), eps = scalar(3);
-  const float *decays = static_cast<const float *>(params[kScalars]);
+  constexpr int kScalars = 6, kParts = 4;
+  UpdatePlan plan;
+  if (!plan.Read(what, kScalars, kParts, nparam, ndims, shapes, dtypes, params)) return 1;
+  const float lr = Scalar(params, 0), beta1 = Scalar(params, 1), beta2 = Scalar(params, 2), eps = Scalar(params, 3);
   // MindSpore's Adam kernel: the bias corrections folded into the step size, eps added to sqrt(v) uncorrected.
-  const float step = lr * std::sqrt(1.0f - scalar(5)) / (1.0f - scalar(4));
-  // Work in chunks small enough to balance two or more threads and large enough to stream.
-  constexpr int64_t kChunk = 1 << 16;
-  std::vector<std::pair<int, int64_t>> chunks;  // (parameter, first element)
-  for (int k = 0; k < n; ++k) {
-    for (int64_t first = 0; first < sizes[k]; first += kChunk) chunks.emplace_back(k, first);
-  }
-  static const AdamStepFunction adam_step = ChooseAdamStep();
-  return Guarded(what, [&] {
-    auto &executor = Executor::Get();
-    auto lock = executor.Begin();
-    executor.pool.parallel_for(static_cast<int>(chunks.size()), [&](int index, int) {
-      const int k = chunks[index].first;
-      const int64_t first = chunks[index].second, last = std::min(sizes[k], first + kChunk);
-      auto tensor = [&](int part) { return static_cast<float *>(params[kFirstWeight + part * n + k]) + first; };
-      adam_step(tensor(0), tensor(1), tensor(2), tensor(3), last - first, decays[k], beta1, beta2, eps, step);
-    });
-    *static_cast<float *>(params[nparam - 1]) = 0.0f;
+  const float step = lr * std::sqrt(1.0f - Scalar(params, 5)) / (1.0f - Scalar(params, 4));
+  static const auto adam_step = ChooseStep(AdamStepAvx512, AdamStepAvx2, AdamStepBaseline);
+  const int n = plan.n;
+  return plan.Run(what, params[nparam - 1], [&](int k, int64_t first, int64_t count) {
+    auto tensor = [&](int part) { return static_cast<float *>(params[kScalars + 1 + part * n + k]) + first; };
+    adam_step(tensor(0), tensor(1), tensor(2), tensor(3), count, plan.decays[k], beta1, beta2, eps, step);
+  });
+}
+
+// Momentum SGD with L2 weight decay in one pass, in place: nn.Momentum's decay and ApplyMomentum (nesterov
+// false), or nn.SGD's decay and SGD kernel with nesterov (and its per-element first-step flags, stat).
+// params: lr, momentum, decays, then n weights, n accumulators, (nesterov: n stat tensors,) n gradients, output.
+int LaunchMomentumUpdate(bool nesterov, int nparam, void **params, int *ndims, int64_t **shapes,
+                         const char **dtypes) {
+  const char *what = nesterov ? "onednn_conv nesterov sgd update" : "onednn_conv momentum update";
+  constexpr int kScalars = 2;
+  const int parts = nesterov ? 4 : 3;
+  UpdatePlan plan;
+  if (!plan.Read(what, kScalars, parts, nparam, ndims, shapes, dtypes, params)) return 1;
+  const float lr = Scalar(params, 0), momentum = Scalar(params, 1);
+  static const auto momentum_step = ChooseStep(MomentumStepAvx512, MomentumStepAvx2, MomentumStepBaseline);
+  static const auto nesterov_step = ChooseStep(NesterovStepAvx512, NesterovStepAvx2, NesterovStepBaseline);
+  const int n = plan.n;
+  return plan.Run(what, params[nparam - 1], [&](int k, int64_t first, int64_t count) {
+    auto tensor = [&](int part) { return static_cast<float *>(params[kScalars + 1 + part * n + k]) + first; };
+    if (nesterov) {
+      nesterov_step(tensor(0), tensor(1), tensor(2), tensor(3), count, plan.decays[k], lr, momentum);
+    } else {
+      momentum_step(tensor(0), tensor(1), tensor(2), count, plan.decays[k], lr, momentum);
+    }
   });
 }
 
@@ -1149,6 +1228,16 @@ extern "C" int AdamUpdate(int nparam, void **params, int *ndims, int64_t **shape
   return LaunchAdamUpdate(nparam, params, ndims, shapes, dtypes);
 }
 
+// Momentum SGD as nn.Momentum computes it, and Nesterov SGD as nn.SGD does, in place (see LaunchMomentumUpdate).
+extern "C" int MomentumUpdate(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes, void *,
+                              void *) {
+  return LaunchMomentumUpdate(false, nparam, params, ndims, shapes, dtypes);
+}
+extern "C" int NesterovSgdUpdate(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
+                                 void *, void *) {
+  return LaunchMomentumUpdate(true, nparam, params, ndims, shapes, dtypes);
+}
+
 // ResNet's stem pool (kernel 3, stride 2, padding 1).
 extern "C" int MaxPool_k3_s2_p1(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
                                     void *, void *) {
@@ -1163,11 +1252,8 @@ extern "C" int onednn_conv_set_threads(int threads) {
   return ThreadCount();
 }
 
-// The vector width in bits (512, 256 or 128) the Adam update runs with, for tests of the ISA cap.
-extern "C" int onednn_conv_adam_vector_bits() {
-  const AdamStepFunction chosen = ChooseAdamStep();
-  return chosen == AdamStepAvx512 ? 512 : chosen == AdamStepAvx2 ? 256 : 128;
-}
+// The vector width in bits (512, 256 or 128) the optimizer updates run with, for tests of the ISA cap.
+extern "C" int onednn_conv_update_vector_bits() { return StepVectorBits(); }
 
 // The channel block of the blocked layouts (16 or 8), for Python's shapes and fallbacks.
 extern "C" int onednn_conv_channel_block() { return ChannelBlock(); }

@@ -1,9 +1,11 @@
-"""Adam with L2 weight decay as one native pass over the parameters (CPU, with the native library).
+"""Adam and momentum SGD with L2 weight decay, each as one native pass over the parameters (CPU, with the native
+library).
 
-Why: MindSpore's nn.Adam adds the decay to the gradients as an addition and a multiplication per parameter, each a
-pass over memory, before its Adam kernel; for ResNet-50 that costs more than the update itself. NativeAdam is
-nn.Adam (same parameters, moments and step counters, so checkpoints and resuming are the same) whose update is
-native/onednn_conv.cc's AdamUpdate: decay, moments and weights in one read and one write.
+Why: MindSpore's optimizers add the decay to the gradients as an addition and a multiplication per parameter, each a
+pass over memory, before their update kernel; for ResNet-50 that costs more than the update itself. NativeAdam,
+NativeMomentum and NativeNesterovSGD are nn.Adam, nn.Momentum and nn.SGD(nesterov=True) (same parameters, state and
+step counters, so checkpoints and resuming are the same) whose update is one of native/onednn_conv.cc's AdamUpdate,
+MomentumUpdate and NesterovSgdUpdate: decay, state and weights in one read and one write.
 """
 from typing import Sequence
 
@@ -22,6 +24,22 @@ def _update_dtype(*dtypes):
     return ms.float32
 
 
+def _native_update(optimizer: nn.Optimizer, kernel: str):
+    """The decays (one per parameter) and the native update op for an optimizer whose groups differ only in a
+    fixed weight_decay, over float32 parameters, without loss scale or gradient centralization."""
+    name = type(optimizer).__name__
+    offload = getattr(optimizer, "use_offload", False)  # only nn.Adam has it
+    if (optimizer.is_group_lr or optimizer.dynamic_weight_decay or optimizer.need_scale or offload
+            or optimizer.grad_centralization):
+        raise ValueError(f"{name} takes groups that differ only in a fixed weight_decay, and no loss_scale")
+    if any(p.dtype != ms.float32 for p in optimizer._parameters):
+        raise ValueError(f"{name} updates float32 parameters only")
+    decays = optimizer.group_weight_decay if optimizer.is_group else [optimizer.weight_decay] * len(
+        optimizer._parameters)
+    update = ops.Custom(f"{usable_library()}:{kernel}", _update_shape, _update_dtype, func_type="aot")
+    return ms.Tensor(np.array(decays, np.float32)), update
+
+
 class NativeAdam(nn.Adam):
     """nn.Adam's update (its formula: eps added to the uncorrected sqrt(v)) with torch.optim.Adam's L2 weight decay,
     for parameter groups that differ only in weight_decay; float32 parameters."""
@@ -29,13 +47,7 @@ class NativeAdam(nn.Adam):
     def __init__(self, params: Sequence, learning_rate, beta1: float = 0.9, beta2: float = 0.999,
                  eps: float = 1e-8) -> None:
         super().__init__(params, learning_rate=learning_rate, beta1=beta1, beta2=beta2, eps=eps)
-        if self.is_group_lr or self.dynamic_weight_decay or self.need_scale or self.use_offload:
-            raise ValueError("NativeAdam takes groups that differ only in a fixed weight_decay, and no loss_scale")
-        if any(p.dtype != ms.float32 for p in self._parameters):
-            raise ValueError("NativeAdam updates float32 parameters only")
-        decays = self.group_weight_decay if self.is_group else [self.weight_decay] * len(self._parameters)
-        self.decays = ms.Tensor(np.array(decays, np.float32))
-        self.update = ops.Custom(f"{usable_library()}:AdamUpdate", _update_shape, _update_dtype, func_type="aot")
+        self.decays, self.update = _native_update(self, "AdamUpdate")
 
     def construct(self, gradients):
         lr = self.get_lr()
@@ -49,4 +61,34 @@ class NativeAdam(nn.Adam):
         # the step counter's assignment waits for it, so whatever reads the weights after the optimizer (EMA,
         # the next step) comes after the update.
         self.assignadd(self.global_step, ops.depend(self.global_step_increase_tensor, done))
+        return done
+
+
+class NativeMomentum(nn.Momentum):
+    """nn.Momentum's update (accum = momentum * accum + gradient; weight -= lr * accum) with torch.optim.SGD's L2
+    weight decay, for parameter groups that differ only in weight_decay; float32 parameters."""
+
+    def __init__(self, params: Sequence, learning_rate, momentum: float) -> None:
+        super().__init__(params, learning_rate=learning_rate, momentum=momentum)
+        self.decays, self.update = _native_update(self, "MomentumUpdate")
+
+    def construct(self, gradients):
+        done = self.update(self.get_lr(), self.momentum, self.decays, *self.params, *self.moments, *gradients)
+        self.assignadd(self.global_step, ops.depend(self.global_step_increase_tensor, done))  # as NativeAdam's
+        return done
+
+
+class NativeNesterovSGD(nn.SGD):
+    """nn.SGD's update with nesterov=True and dampening 0 (the first step sets accum to the gradient; weight -= lr *
+    (gradient + momentum * accum)), as torch.optim.SGD(nesterov=True) with its L2 weight decay, for parameter groups
+    that differ only in weight_decay; float32 parameters."""
+
+    def __init__(self, params: Sequence, learning_rate, momentum: float) -> None:
+        super().__init__(params, learning_rate=learning_rate, momentum=momentum, nesterov=True)
+        self.decays, self.update = _native_update(self, "NesterovSgdUpdate")
+
+    def construct(self, gradients):
+        done = self.update(self.get_lr(), self.momentum, self.decays, *self._parameters, *self.accum, *self.stat,
+                           *gradients)
+        self.assignadd(self.global_step, ops.depend(self.global_step_increase_tensor, done))  # as NativeAdam's
         return done

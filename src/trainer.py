@@ -23,7 +23,7 @@ from src.evaluation import EvalResult, average_batchnorm_statistics, evaluate
 from src.fused_inference import inference_network
 from src.lr_schedule import schedule_from_config
 from src.metrics_file import MetricsFile
-from src.native_optimizer import NativeAdam
+from src.native_optimizer import NativeAdam, NativeMomentum, NativeNesterovSGD
 from src.plotting import plot_training_curves
 from src.profiling import StepProfiler
 from src.resnet import build_resnet
@@ -82,8 +82,8 @@ def weights_digest(net: nn.Cell) -> str:
 def build_optimizer(config, params, learning_rates: np.ndarray, native: bool = False) -> nn.Optimizer:
     """Adam or momentum SGD (Nesterov with config.nesterov) over params, with weight decay on every parameter as in
     torch.optim, or, with config.no_weight_decay_bn_bias, on every parameter but BatchNorm's and biases (1-D ones).
-    native (the native library in use, float32 parameters on CPU): Adam's update, decay included, runs as one
-    native pass (src/native_optimizer.py), with nn.Adam's results.
+    native (the native library in use, float32 parameters on CPU): the update, decay included, runs as one native
+    pass (src/native_optimizer.py), with the results of the MindSpore optimizer it stands for.
 
     The parameters go in as explicit groups: given a plain list, MindSpore's optimizers skip weight decay for
     BatchNorm gamma/beta, which the reference's torch.optim.Adam does not.
@@ -101,7 +101,11 @@ def build_optimizer(config, params, learning_rates: np.ndarray, native: bool = F
     if config.nesterov:
         # nn.SGD: MindSpore 2.10's nn.Momentum ignores use_nesterov on CPU (its updates equal plain momentum's);
         # nn.SGD's match torch.optim.SGD(nesterov=True) (tests/test_optimizer.py).
+        if native:
+            return NativeNesterovSGD(group, learning_rate=lr, momentum=config.momentum)
         return nn.SGD(group, learning_rate=lr, momentum=config.momentum, nesterov=True)
+    if native:
+        return NativeMomentum(group, learning_rate=lr, momentum=config.momentum)
     return nn.Momentum(group, learning_rate=lr, momentum=config.momentum)
 
 

@@ -18,17 +18,19 @@ RECIPE = ["--model_name", "resnet18", "--batch_size", "8", "--train_num_samples"
           "--epoch_size", "2", "--ema_decay", "0.9", "--stem", "cifar", *FAST_ARGS]
 
 
-@pytest.mark.parametrize("sink, optimizer", [(False, "momentum"), (True, "momentum"), (False, "native_adam")])
+@pytest.mark.parametrize("sink, optimizer", [(False, "momentum"), (True, "momentum"), (False, "native_adam"),
+                                             (False, "native_momentum")])
 def test_the_ema_follows_the_weights_after_each_update(sink, optimizer):
     """One step, decay d: ema = d * before + (1 - d) * after, for weights and BatchNorm statistics; so the EMA is
     updated after the optimizer (in the sink's graph too, where only the order of side effects decides it; the
-    native Adam writes the weights unseen by that order, so training keeps it out of a sink's graph with an EMA:
+    native updates write the weights unseen by that order, so training keeps it out of a sink's graph with an EMA:
     test_native_update_stays_out_of_a_sink_with_an_ema)."""
     # MindSpore's default is PyNative, which runs ops as written (conftest restores the mode after the test).
     ms.set_context(mode=ms.GRAPH_MODE)
     ms.set_seed(0)
-    native = optimizer == "native_adam"
-    config = load_config(["--optimizer", "adam" if native else "momentum", "--lr", "0.05" if native else "0.5"])
+    native = optimizer.startswith("native")
+    adam = optimizer == "native_adam"
+    config = load_config(["--optimizer", "adam" if adam else "momentum", "--lr", "0.05" if adam else "0.5"])
     net = nn.SequentialCell(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Flatten(), nn.Dense(4 * 4 * 4, 3))
     ema = WeightsEma(net, 0.75)
     step = build_train_step(net, build_optimizer(config, net.trainable_params(), np.ones(2, np.float32), native),

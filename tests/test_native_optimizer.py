@@ -1,12 +1,13 @@
-"""NativeAdam (one native pass: decay, moments, weights) computes what nn.Adam computes, keeps its state under the
-same names, and is what training with the native library builds."""
+"""NativeAdam, NativeMomentum and NativeNesterovSGD (one native pass each: decay, state, weights) compute what nn.Adam,
+nn.Momentum and nn.SGD(nesterov=True) compute, keep their state under the same names, and are what training with
+the native library builds."""
 import numpy as np
 import mindspore as ms
 import pytest
 from mindspore import nn
 
 from src.model_utils.config import load_config
-from src.native_optimizer import NativeAdam
+from src.native_optimizer import NativeAdam, NativeMomentum, NativeNesterovSGD
 from src.trainer import build_optimizer
 
 # Sizes around the native update's 65536-element chunks (one short, several with a tail) and small ones.
@@ -30,34 +31,52 @@ def _gradients(step: int):
                  for shape in SHAPES)
 
 
+# Each native optimizer, the MindSpore optimizer it stands for, and their state besides the weights.
+PAIRS = {
+    "adam": (NativeAdam, nn.Adam, {}, ("moment1", "moment2"), ("beta1_power", "beta2_power", "global_step")),
+    "momentum": (NativeMomentum, nn.Momentum, {"momentum": 0.9}, ("moments",), ("global_step",)),
+    "nesterov": (NativeNesterovSGD, nn.SGD, {"momentum": 0.9, "nesterov": True}, ("accum", "stat"),
+                 ("global_step",)),
+}
+
+
+def _pair(kind: str, params_ours, params_theirs, decay: float):
+    native, reference, options, _, _ = PAIRS[kind]
+    native_options = {k: v for k, v in options.items() if k != "nesterov"}
+    return (native(_groups(params_ours, decay), learning_rate=ms.Tensor(LEARNING_RATES), **native_options),
+            reference(_groups(params_theirs, decay), learning_rate=ms.Tensor(LEARNING_RATES), **options))
+
+
+@pytest.mark.parametrize("kind", list(PAIRS))
 @pytest.mark.parametrize("decay", [0.0, 0.05])
-def test_native_adam_follows_nn_adam_step_by_step(decay):
-    """Weights, both moments, the bias-correction powers and the step count, over steps with a changing learning
-    rate, for a decayed group and an undecayed one."""
-    ours = NativeAdam(_groups(_parameters("ours"), decay), learning_rate=ms.Tensor(LEARNING_RATES))
-    theirs = nn.Adam(_groups(_parameters("theirs"), decay), learning_rate=ms.Tensor(LEARNING_RATES))
+def test_native_update_follows_the_mindspore_optimizer_step_by_step(kind, decay):
+    """Weights, the optimizer's state and its step counters, over steps with a changing learning rate, for a
+    decayed group and an undecayed one."""
+    ours, theirs = _pair(kind, _parameters("ours"), _parameters("theirs"), decay)
+    _, _, _, state, counters = PAIRS[kind]
     for step in range(len(LEARNING_RATES)):
         ours(_gradients(step))
         theirs(_gradients(step))
-        for mine, reference in [(ours._parameters, theirs._parameters), (ours.moment1, theirs.moment1),
-                                (ours.moment2, theirs.moment2)]:
+        pairs = [(ours._parameters, theirs._parameters)] + [(getattr(ours, n), getattr(theirs, n)) for n in state]
+        for mine, reference in pairs:
             for a, b in zip(mine, reference):
                 np.testing.assert_allclose(a.asnumpy(), b.asnumpy(), rtol=2e-6, atol=1e-7, err_msg=b.name)
         assert not np.array_equal(ours._parameters[1].asnumpy(), _parameters("x")[1].asnumpy())
-    for name in ("beta1_power", "beta2_power", "global_step"):
+    for name in counters:
         np.testing.assert_allclose(getattr(ours, name).asnumpy(), getattr(theirs, name).asnumpy(), rtol=1e-7)
     assert ours.global_step.asnumpy()[0] == len(LEARNING_RATES)
 
 
-def test_native_adam_state_is_nn_adams_so_checkpoints_resume_either_way(tmp_path):
-    """The same parameter names; nn.Adam's saved state, loaded into NativeAdam, continues as nn.Adam would."""
-    theirs = nn.Adam(_groups(_parameters("w"), 0.05), learning_rate=ms.Tensor(LEARNING_RATES))
-    ours = NativeAdam(_groups(_parameters("w"), 0.05), learning_rate=ms.Tensor(LEARNING_RATES))
+@pytest.mark.parametrize("kind", list(PAIRS))
+def test_native_state_is_the_mindspore_optimizers_so_checkpoints_resume_either_way(kind, tmp_path):
+    """The same parameter names; the MindSpore optimizer's saved state, loaded into the native one, continues as
+    the MindSpore optimizer would."""
+    ours, theirs = _pair(kind, _parameters("w"), _parameters("w"), 0.05)
     assert [p.name for p in ours.get_parameters()] == [p.name for p in theirs.get_parameters()]
     for step in range(2):
         theirs(_gradients(step))
-    ms.save_checkpoint(theirs, str(tmp_path / "adam.ckpt"))
-    not_loaded, _ = ms.load_param_into_net(ours, ms.load_checkpoint(str(tmp_path / "adam.ckpt")))
+    ms.save_checkpoint(theirs, str(tmp_path / "optimizer.ckpt"))
+    not_loaded, _ = ms.load_param_into_net(ours, ms.load_checkpoint(str(tmp_path / "optimizer.ckpt")))
     assert not not_loaded
     theirs(_gradients(2))
     ours(_gradients(2))
@@ -65,20 +84,26 @@ def test_native_adam_state_is_nn_adams_so_checkpoints_resume_either_way(tmp_path
         np.testing.assert_allclose(a.asnumpy(), b.asnumpy(), rtol=2e-6, atol=1e-7, err_msg=b.name)
 
 
-def test_build_optimizer_takes_native_adam_only_when_asked():
-    config = load_config(["--optimizer", "adam"])
+@pytest.mark.parametrize("options, native, reference", [
+    (["--optimizer", "adam"], NativeAdam, nn.Adam),
+    (["--optimizer", "momentum"], NativeMomentum, nn.Momentum),
+    (["--optimizer", "momentum", "--nesterov"], NativeNesterovSGD, nn.SGD),
+])
+def test_build_optimizer_takes_the_native_update_only_when_asked(options, native, reference):
+    config = load_config(options)
     params = _parameters("b")
-    assert type(build_optimizer(config, params, LEARNING_RATES, native=True)) is NativeAdam
-    assert type(build_optimizer(config, params, LEARNING_RATES)) is nn.Adam
-    momentum = load_config(["--optimizer", "momentum"])
-    assert not isinstance(build_optimizer(momentum, params, LEARNING_RATES, native=True), NativeAdam)
+    assert type(build_optimizer(config, params, LEARNING_RATES, native=True)) is native
+    assert type(build_optimizer(config, params, LEARNING_RATES)) is reference
 
 
-def test_native_adam_refuses_what_its_update_does_not_compute():
+@pytest.mark.parametrize("kind", list(PAIRS))
+def test_native_updates_refuse_what_they_do_not_compute(kind):
+    native, _, options, _, _ = PAIRS[kind]
+    options = {k: v for k, v in options.items() if k != "nesterov"}
     with pytest.raises(ValueError, match="float32"):
-        NativeAdam([ms.Parameter(ms.Tensor(np.ones(3, np.float16)), name="half")], learning_rate=0.1)
+        native([ms.Parameter(ms.Tensor(np.ones(3, np.float16)), name="half")], learning_rate=0.1, **options)
     with pytest.raises(ValueError, match="loss_scale"):
-        NativeAdam([{"params": _parameters("lr"), "lr": 0.5}], learning_rate=0.1)
+        native([{"params": _parameters("lr"), "lr": 0.5}], learning_rate=0.1, **options)
 
 
 def test_the_update_runs_at_the_vector_width_onednns_isa_allows():
@@ -86,7 +111,7 @@ def test_the_update_runs_at_the_vector_width_onednns_isa_allows():
     the tests' own AVX2 cap), AVX2 under an AVX2 cap."""
     import ctypes
     from src.onednn_conv import channel_block, usable_library
-    bits = ctypes.CDLL(usable_library()).onednn_conv_adam_vector_bits()
+    bits = ctypes.CDLL(usable_library()).onednn_conv_update_vector_bits()
     with open("/proc/cpuinfo") as cpuinfo:
         flags = cpuinfo.read()
     assert bits == (512 if channel_block() == 16 else 256 if " avx2" in flags else 128)

@@ -275,7 +275,7 @@ def test_channel_block_follows_the_isa_in_effect():
 # The in-process tests run under conftest's AVX2 cap, so on 8-channel blocks; these are the numerics tests to rerun
 # uncapped, where an AVX-512 CPU takes 16-channel blocks and other kernels.
 UNCAPPED_TESTS = ["tests/test_onednn_conv.py", "tests/test_fused_inference.py", "tests/test_native_optimizer.py", "-k",
-                  "equal or computes or refresh or keep_their_own or channel_block_follows or follows_nn_adam "
+                  "equal or computes or refresh or keep_their_own or channel_block_follows or follows_the_mindspore "
                   "or vector_width"]
 
 

@@ -34,8 +34,9 @@ def test_no_weight_decay_bn_bias_spares_exactly_the_one_dimensional_parameters()
     assert "fc.weight" in moved and "fc.bias" not in moved and "bn1.gamma" not in moved
 
 
+@pytest.mark.parametrize("native", [False, True], ids=["mindspore", "native"])
 @pytest.mark.parametrize("nesterov", [False, True])
-def test_nesterov_momentum_matches_torch_sgd(nesterov):
+def test_nesterov_momentum_matches_torch_sgd(nesterov, native):
     torch = pytest.importorskip("torch")
     config = load_config(["--optimizer", "momentum", "--momentum", "0.9", "--weight_decay", "0.01",
                           "--nesterov", str(nesterov).lower()])
@@ -43,7 +44,7 @@ def test_nesterov_momentum_matches_torch_sgd(nesterov):
     start = rng.standard_normal((3, 4)).astype(np.float32)
     grads = [rng.standard_normal((3, 4)).astype(np.float32) for _ in range(3)]
     weight = ms.Parameter(ms.Tensor(start), name="w")
-    opt = build_optimizer(config, [weight], np.full(3, 0.1, np.float32))
+    opt = build_optimizer(config, [weight], np.full(3, 0.1, np.float32), native=native)
     theirs = torch.nn.Parameter(torch.from_numpy(start.copy()))
     reference = torch.optim.SGD([theirs], lr=0.1, momentum=0.9, weight_decay=0.01, nesterov=nesterov)
     for grad in grads:
