@@ -6,7 +6,7 @@ python benchmark.py [--sizes 32,224] [--modes train,eval] [--frameworks mindspor
                     [--batch_size 32[,64]] [--repeats 3] [--rounds 1]
                     [--gemm_size 3072] [--conv_implementation auto|onednn_blocked|mindspore]
                     [--inference_network fused|fused-blocked|fused-nhwc|resnet] [--recipes O0,O2,O3,O0-sink]
-                    [--isa native|avx2] [--train_py] [--output FILE]
+                    [--optimizer adam|nesterov] [--isa native|avx2] [--train_py] [--output FILE]
 
 Each (framework, mode, input size, batch size, training recipe) runs in its own process: warmup steps (compilation
 included) are not timed, then --repeats timings of --steps steps; the table reports the median, pooled over --rounds
@@ -34,8 +34,8 @@ from typing import Callable, Dict, List, Tuple
 
 from src.architectures import MODEL_NAMES as ARCHITECTURES  # not src.resnet's: it would load MindSpore
 from src.atomic_file import write_text_atomic
-from src.benchmark import (GEMM_BACKENDS, Measurement, check_recipe, export_onnx_here, export_onnx_in_subprocess,
-                           flops_per_image, forward_macs, forward_macs_in_subprocess,
+from src.benchmark import (GEMM_BACKENDS, OPTIMIZERS, Measurement, check_recipe, export_onnx_here,
+                           export_onnx_in_subprocess, flops_per_image, forward_macs, forward_macs_in_subprocess,
                            measure_gemm_here, measure_gemm_in_subprocess, measure_here, measure_in_subprocess,
                            measure_train_py, table, to_json)
 from src.errors import OneLineArgumentParser, UserError, run_cli
@@ -125,9 +125,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="MindSpore training recipes, comma separated: amp_level O0-O3, with -sink for the loss "
                              "read once per timing of --steps steps as with dataset_sink_mode, then -plain for the "
                              "activations reordered to the plain layout around every native convolution, then "
-                             "-nn_adam for MindSpore's nn.Adam instead of the native one-pass Adam "
-                             "(e.g. O0,O2,O3,O0-sink,O0-plain,O0-nn_adam); "
+                             "-nn_optimizer for MindSpore's own optimizer instead of the native one-pass update "
+                             "(e.g. O0,O2,O3,O0-sink,O0-plain,O0-nn_optimizer); "
                              "the first is compared with PyTorch, all of them with the first")
+    parser.add_argument("--optimizer", choices=tuple(OPTIMIZERS), default="adam",
+                        help="the training step's optimizer, in every framework: adam (the reference's, train.py's "
+                             "default) or nesterov (momentum SGD, as the configs/ recipes)")
     parser.add_argument("--isa", choices=("native", "avx2"), default="native",
                         help="instruction set: native (what the CPU has, or ONEDNN_MAX_CPU_ISA if you set it), or "
                              "avx2 (every framework capped at AVX2, as on a CPU without AVX-512; onnxruntime has no "
@@ -154,7 +157,7 @@ def run_worker(args: argparse.Namespace) -> object:
                                         args.repeats, args.conv_implementation))
     return asdict(measure_here(args.worker, args.modes[0], args.model_name, args.sizes[0], args.batch_size[0],
                                args.threads, args.warmup, args.repeats, args.steps or 1, args.conv_implementation,
-                               args.inference_network, args.recipes[0], args.onnx_path))
+                               args.inference_network, args.recipes[0], args.onnx_path, args.optimizer))
 
 
 def measure_models(args: argparse.Namespace, frameworks: List[str], macs: Dict[int, int],
@@ -177,12 +180,12 @@ def measure_models(args: argparse.Namespace, frameworks: List[str], macs: Dict[i
                       "...", file=sys.stderr, flush=True)
                 if framework == "train.py":  # as many timed steps as the worker's, and at least 6
                     measurement = measure_train_py(args.model_name, size, batch, args.threads,
-                                                   max(6, args.repeats * steps), work_folder)
+                                                   max(6, args.repeats * steps), work_folder, args.optimizer)
                 else:
                     measurement = measure_in_subprocess(
                         framework, mode, args.model_name, size, batch, args.threads, args.warmup,
                         args.repeats, steps, args.conv_implementation, args.inference_network, recipe or "O0",
-                        onnx_files.get((size, batch), "") if framework == "onnxruntime" else "")
+                        onnx_files.get((size, batch), "") if framework == "onnxruntime" else "", args.optimizer)
                 key = (framework, mode, size, batch, recipe)
                 if key in measurements:
                     measurement = replace(measurement, seconds_per_step=measurements[key].seconds_per_step +
@@ -246,6 +249,8 @@ def main() -> int:
                    "mindspore": importlib.metadata.version("mindspore"), "model": args.model_name,
                    "isa": "avx2 (" + ", ".join(f"{k}={v}" for k, v in AVX2_CAP.items()) + ")"
                    if args.isa == "avx2" else "native"}
+    if "train" in args.modes:
+        environment["optimizer"] = args.optimizer
     ran = {(m.conv_implementation, m.onednn_max_cpu_isa) for m in measurements if m.framework == "mindspore"}
     if ran:  # what the MindSpore workers resolved (the same in each)
         environment["mindspore_convolutions"] = ", ".join(sorted(r[0] for r in ran))

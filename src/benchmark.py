@@ -38,6 +38,7 @@ class Measurement:
     inference_network: str = ""  # MindSpore's, eval: the cell that ran (fused-blocked, fused-nhwc or resnet)
     recipe: str = ""  # MindSpore's, train: the amp_level, and "-sink" when the loss is read once per timing
     peak_rss_bytes: Optional[int] = None  # the worker's peak resident memory during the timed steps (Linux)
+    optimizer: str = ""  # train: the training step's optimizer (a key of OPTIMIZERS)
 
     @property
     def images_per_second(self) -> float:
@@ -106,16 +107,25 @@ def _time_steps(run_step: Callable[[], None], warmup: int, repeats: int, steps: 
     return timings
 
 
-RECIPE_PATTERN = re.compile(r"^O[0-3](-sink)?(-plain)?(-nn_adam)?$")
+RECIPE_PATTERN = re.compile(r"^O[0-3](-sink)?(-plain)?(-nn_optimizer)?$")
+
+# The training step's optimizer, the same in both frameworks: the reference's Adam (train.py's default), or the
+# Nesterov momentum SGD of the configs/ recipes. MindSpore's config arguments, then torch.optim's.
+OPTIMIZERS = {
+    "adam": ([], ("Adam", {"lr": 1e-3, "weight_decay": 1e-5})),
+    "nesterov": (["--optimizer", "momentum", "--nesterov", "--momentum", "0.9", "--lr", "0.05", "--weight_decay",
+                  "0.0005"], ("SGD", {"lr": 0.05, "momentum": 0.9, "nesterov": True, "weight_decay": 5e-4})),
+}
 
 
 def check_recipe(recipe: str) -> str:
     """A training recipe name: an amp_level O0-O3, with -sink for the loss read once per sink (here: per timing) and
     -plain for activations reordered to the plain layout around every native convolution (build_resnet's
-    blocked_activations=False), -nn_adam for MindSpore's nn.Adam where the native library would run Adam."""
+    blocked_activations=False), -nn_optimizer for MindSpore's own optimizer (nn.Adam, nn.SGD) where the native
+    library would run the one-pass update (src/native_optimizer.py)."""
     if not RECIPE_PATTERN.match(recipe):
         raise ValueError(f"unknown recipe {recipe!r}: an amp_level O0-O3, optionally followed by -sink, then -plain, "
-                         f"then -nn_adam")
+                         f"then -nn_optimizer")
     return recipe
 
 
@@ -135,13 +145,14 @@ def _run_worker(args: List[str], threads: int, what: str):
 
 def mindspore_step(mode: str, model_name: str, image_size: int, batch_size: int, total_steps: int,
                    conv_implementation: str = "mindspore", inference_network: str = "fused",
-                   recipe: str = "O0") -> Tuple[Callable[[], None], str, Optional[Callable[[], None]]]:
-    """One training step (with Adam, as train.py builds it for the recipe's amp_level, with the fixed loss scale
-    above O0) or one inference forward: of the network evaluation runs (inference_network "fused"; "fused-blocked"
-    or "fused-nhwc" force its activation layout) or of the ResNet cell itself ("resnet"). Returns the step, for
-    inference which network ran ("fused-" and the layout it ran on, when the network could be fused; "" for
-    training), and what waits for the steps' results when the step itself does not (a -sink recipe: train.py
-    reads the loss after every step without dataset_sink_mode, once per sink with it)."""
+                   recipe: str = "O0", optimizer: str = "adam"
+                   ) -> Tuple[Callable[[], None], str, Optional[Callable[[], None]]]:
+    """One training step (with the optimizer named in OPTIMIZERS, as train.py builds it for the recipe's amp_level,
+    with the fixed loss scale above O0) or one inference forward: of the network evaluation runs (inference_network
+    "fused"; "fused-blocked" or "fused-nhwc" force its activation layout) or of the ResNet cell itself ("resnet").
+    Returns the step, for inference which network ran ("fused-" and the layout it ran on, when the network could be
+    fused; "" for training), and what waits for the steps' results when the step itself does not (a -sink recipe:
+    train.py reads the loss after every step without dataset_sink_mode, once per sink with it)."""
     import mindspore as ms
     from src.lr_schedule import schedule_from_config
     from src.model_utils.config import load_config
@@ -151,7 +162,7 @@ def mindspore_step(mode: str, model_name: str, image_size: int, batch_size: int,
 
     ms.set_seed(1)
     ms.set_context(mode=ms.GRAPH_MODE)
-    config = load_config([], prog="benchmark.py")
+    config = load_config(OPTIMIZERS[optimizer][0], prog="benchmark.py")
     net = build_resnet(model_name, config.class_num, conv_implementation=conv_implementation,
                        blocked_activations="-plain" not in recipe)
     rng = np.random.default_rng(0)
@@ -169,19 +180,21 @@ def mindspore_step(mode: str, model_name: str, image_size: int, batch_size: int,
             ran = "fused-blocked" if inference_net.runs_blocked else "fused-nhwc"
         return lambda: inference_net(images).asnumpy(), ran, None
     learning_rates = schedule_from_config(config.replace(epoch_size=1, warmup_epochs=0), total_steps)
-    optimizer = build_optimizer(config, net.trainable_params(), learning_rates,
-                                native=native_update_allowed(config, conv_implementation) and "-nn_adam" not in recipe)
+    native = native_update_allowed(config, conv_implementation) and "-nn_optimizer" not in recipe
+    update = build_optimizer(config, net.trainable_params(), learning_rates, native=native)
     level = check_recipe(recipe).split("-")[0]
     amp = AmpSetting(level, None if level == "O0" else config.loss_scale)
     sink = "-sink" in recipe
-    train_step = build_train_step(net, optimizer, config, amp, sink=sink)
+    train_step = build_train_step(net, update, config, amp, sink=sink)
     if sink:
         return lambda: train_step(images, labels), "", train_step.read_totals
     return lambda: train_step(images, labels), "", None  # it reads the step's outputs itself, as in train.py
 
 
-def torch_step(mode: str, model_name: str, image_size: int, batch_size: int) -> Callable[[], None]:
-    """The same step in PyTorch with torchvision's model: Adam(lr 1e-3, weight_decay 1e-5), cross-entropy."""
+def torch_step(mode: str, model_name: str, image_size: int, batch_size: int,
+               optimizer: str = "adam") -> Callable[[], None]:
+    """The same step in PyTorch with torchvision's model: the optimizer named in OPTIMIZERS (Adam: lr 1e-3,
+    weight_decay 1e-5), cross-entropy."""
     import torch
     import torchvision
 
@@ -197,13 +210,14 @@ def torch_step(mode: str, model_name: str, image_size: int, batch_size: int) -> 
                 net(images)
         return forward
     net.train()
-    optimizer = torch.optim.Adam(net.parameters(), lr=1e-3, weight_decay=1e-5)
+    torch_class, options = OPTIMIZERS[optimizer][1]
+    update = getattr(torch.optim, torch_class)(net.parameters(), **options)
     loss_fn = torch.nn.CrossEntropyLoss()
 
     def step() -> None:
-        optimizer.zero_grad()
+        update.zero_grad()
         loss_fn(net(images), labels).backward()
-        optimizer.step()
+        update.step()
     return step
 
 
@@ -243,15 +257,17 @@ def onnxruntime_step(onnx_path: str, image_size: int, batch_size: int, threads: 
 
 def measure_here(framework: str, mode: str, model_name: str, image_size: int, batch_size: int, threads: int,
                  warmup: int, repeats: int, steps: int, conv_implementation: str = "auto",
-                 inference_network: str = "fused", recipe: str = "O0", onnx_path: str = "") -> Measurement:
-    """Runs one measurement in this process; MindSpore's convolutions as conv_implementation resolves on CPU for the
-    recipe's amp_level (training); onnxruntime (inference only) runs the file at onnx_path."""
+                 inference_network: str = "fused", recipe: str = "O0", onnx_path: str = "",
+                 optimizer: str = "adam") -> Measurement:
+    """Runs one measurement in this process (training with the optimizer named in OPTIMIZERS); MindSpore's
+    convolutions as conv_implementation resolves on CPU for the recipe's amp_level (training); onnxruntime
+    (inference only) runs the file at onnx_path."""
     implementation = isa = ran_network = ""
     finish = None
     if framework == "torch":
         import torch
         torch.set_num_threads(threads)
-        run_step = torch_step(mode, model_name, image_size, batch_size)
+        run_step = torch_step(mode, model_name, image_size, batch_size, optimizer)
     elif framework == "onnxruntime":
         if mode != "eval" or not onnx_path:
             raise ValueError("onnxruntime measures inference only, of an exported file (onnx_path)")
@@ -262,7 +278,7 @@ def measure_here(framework: str, mode: str, model_name: str, image_size: int, ba
         implementation, isa = choose_convolutions(conv_implementation, "CPU", amp_level=level)
         run_step, ran_network, finish = mindspore_step(mode, model_name, image_size, batch_size,
                                                        warmup + repeats * steps, implementation, inference_network,
-                                                       recipe)
+                                                       recipe, optimizer)
     # The peak resident memory of the timed steps alone, the same way for every framework: the model, its
     # optimizer state and what a step allocates, not the compilation's or the imports' transient peaks.
     reset = []
@@ -270,16 +286,18 @@ def measure_here(framework: str, mode: str, model_name: str, image_size: int, ba
     peak = peak_memory_bytes() if reset and reset[0] else None
     return Measurement(framework, mode, image_size, batch_size, threads, timings, conv_implementation=implementation,
                        onednn_max_cpu_isa=isa, inference_network=ran_network,
-                       recipe=recipe if framework == "mindspore" and mode == "train" else "", peak_rss_bytes=peak)
+                       recipe=recipe if framework == "mindspore" and mode == "train" else "", peak_rss_bytes=peak,
+                       optimizer=optimizer if mode == "train" else "")
 
 
 def measure_in_subprocess(framework: str, mode: str, model_name: str, image_size: int, batch_size: int, threads: int,
                           warmup: int, repeats: int, steps: int, conv_implementation: str = "auto",
-                          inference_network: str = "fused", recipe: str = "O0", onnx_path: str = "") -> Measurement:
+                          inference_network: str = "fused", recipe: str = "O0", onnx_path: str = "",
+                          optimizer: str = "adam") -> Measurement:
     args = ["--worker", framework, "--modes", mode, "--model_name", model_name, "--sizes", str(image_size),
             "--batch_size", str(batch_size), "--warmup", str(warmup), "--repeats", str(repeats), "--steps", str(steps),
             "--conv_implementation", conv_implementation, "--inference_network", inference_network,
-            "--recipes", recipe, "--onnx_path", onnx_path]
+            "--recipes", recipe, "--onnx_path", onnx_path, "--optimizer", optimizer]
     return Measurement(**_run_worker(args, threads, f"{framework} {mode} {image_size} {recipe}"))
 
 
@@ -287,8 +305,9 @@ TRAIN_PY_STEP_LINE = re.compile(r"epoch 2/2 step \d+/\d+ loss \S+ lr \S+ ([0-9.]
 
 
 def measure_train_py(model_name: str, image_size: int, batch_size: int, threads: int, steps: int,
-                     work_folder: str) -> Measurement:
-    """Seconds per step of a real train.py run (the default recipe on generated CIFAR-format data, at image_size,
+                     work_folder: str, optimizer: str = "adam") -> Measurement:
+    """Seconds per step of a real train.py run (the default recipe with the optimizer named in OPTIMIZERS, on
+    generated CIFAR-format data, at image_size,
     batch_size, `threads` threads as its OMP_NUM_THREADS): two epochs of `steps` steps, logging every step; the
     second epoch's steps are timed (the first compiles). What a user's run gets, for comparison with the worker's
     bare training step."""
@@ -298,14 +317,15 @@ def measure_train_py(model_name: str, image_size: int, batch_size: int, threads:
                "--image_height", str(image_size), "--image_width", str(image_size), "--batch_size", str(batch_size),
                "--epoch_size", "2", "--train_num_samples", str(batch_size * steps), "--eval_interval", "2",
                "--eval_num_samples", str(batch_size), "--log_interval", "1", "--keep_checkpoint_max", "1",
-               "--output_path", str(output)]
+               "--output_path", str(output), *OPTIMIZERS[optimizer][0]]
     process = subprocess.run(command, cwd=REPO, env=_worker_env(threads), capture_output=True, text=True)
     if process.returncode != 0:
         raise RuntimeError(f"train.py {image_size}x{image_size}: failed:\n{(process.stdout + process.stderr)[-3000:]}")
     rates = [float(rate) for rate in TRAIN_PY_STEP_LINE.findall(process.stdout + process.stderr)]
     if len(rates) != steps:
         raise RuntimeError(f"train.py {image_size}x{image_size}: {len(rates)} step lines in epoch 2, not {steps}")
-    return Measurement("train.py", "train", image_size, batch_size, threads, [batch_size / rate for rate in rates])
+    return Measurement("train.py", "train", image_size, batch_size, threads, [batch_size / rate for rate in rates],
+                       optimizer=optimizer)
 
 
 def measure_gemm_here(backend: str, n: int, threads: int, warmup: int, repeats: int,

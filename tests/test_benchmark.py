@@ -233,14 +233,23 @@ def test_recipes_table_compares_each_training_recipe_with_the_first():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe, conv", [("O2", "mindspore"), ("O0-sink", "onednn_blocked"),
-                                          ("O0-plain-nn_adam", "onednn_blocked")])
+                                          ("O0-plain-nn_optimizer", "onednn_blocked")])
 def test_a_training_recipe_runs_as_train_py_builds_it(recipe, conv):
     """O2 trains float16 with MindSpore's convolutions (the native ones are float32 only); -sink reads the loss
     once per timing."""
     measurement = measure_in_subprocess("mindspore", "train", "resnet18", 32, 2, 2, warmup=1, repeats=1, steps=2,
                                         recipe=recipe)
     assert measurement.recipe == recipe and measurement.conv_implementation == conv
-    assert measurement.images_per_second > 0
+    assert measurement.images_per_second > 0 and measurement.optimizer == "adam"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("framework", ["mindspore", "torch"])
+def test_the_nesterov_optimizer_trains_in_both_frameworks(framework):
+    """--optimizer nesterov: the configs/ recipes' momentum SGD, in MindSpore (native update) and PyTorch alike."""
+    measurement = measure_in_subprocess(framework, "train", "resnet18", 32, 2, 2, warmup=1, repeats=1, steps=2,
+                                        optimizer="nesterov")
+    assert measurement.optimizer == "nesterov" and measurement.images_per_second > 0
 
 
 def test_train_py_table_puts_a_real_run_beside_the_benchmarks_step():
