@@ -187,9 +187,12 @@ def measure_models(args: argparse.Namespace, frameworks: List[str], macs: Dict[i
                         args.repeats, steps, args.conv_implementation, args.inference_network, recipe or "O0",
                         onnx_files.get((size, batch), "") if framework == "onnxruntime" else "", args.optimizer)
                 key = (framework, mode, size, batch, recipe)
+                rounds = [measurement.images_per_second]
                 if key in measurements:
+                    rounds = measurements[key].round_images_per_second + rounds
                     measurement = replace(measurement, seconds_per_step=measurements[key].seconds_per_step +
                                           measurement.seconds_per_step)
+                measurement = replace(measurement, round_images_per_second=rounds)
                 measurements[key] = replace(measurement, flops_per_image=flops_per_image(macs[size], mode))
     return list(measurements.values())
 

@@ -10,7 +10,7 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -39,6 +39,7 @@ class Measurement:
     recipe: str = ""  # MindSpore's, train: the amp_level, and "-sink" when the loss is read once per timing
     peak_rss_bytes: Optional[int] = None  # the worker's peak resident memory during the timed steps (Linux)
     optimizer: str = ""  # train: the training step's optimizer (a key of OPTIMIZERS)
+    round_images_per_second: List[float] = field(default_factory=list)  # each round's median, with --rounds
 
     @property
     def images_per_second(self) -> float:
@@ -457,6 +458,9 @@ def table(measurements: Sequence[Measurement], gemms: Sequence[GemmMeasurement] 
                     f"{number(_percent_of(ours, reference), 1)} | {rate(found, 'onnxruntime')} | "
                     f"{ratio(found, 'onnxruntime')} |")
     rows += ["", f"GFLOP/image of {model_name}: {FLOP_CONVENTION}."]
+    if (any(len(m.round_images_per_second) > 1 for m in main)
+            and any(m.framework in ("torch", "onnxruntime") for m in main)):
+        rows += ["", round_table(main, keys)]
     if any(m.peak_rss_bytes for m in main):
         rows += ["", memory_table(main, keys)]
     if len(recipes) > 1:
@@ -480,6 +484,26 @@ def table(measurements: Sequence[Measurement], gemms: Sequence[GemmMeasurement] 
         rows.append(f"GEMM: fp32 {gemms[0].n}x{gemms[0].n} matrix products, {gemms[0].threads} threads, median of "
                     f"{timings} per backend ({' and '.join(phases)} the models): {described} GFLOP/s; "
                     f"% of GEMM is against the fastest, {reference:.1f} GFLOP/s.")
+    return "\n".join(rows)
+
+
+def round_table(measurements: Sequence[Measurement], keys: Sequence[Tuple[str, int, int]]) -> str:
+    """Markdown table of MindSpore's ratio to PyTorch and to onnxruntime in each round (each round's median against
+    the other framework's in the same round), and the lowest: what a target for every round is checked against."""
+    others = [name for name in ("torch", "onnxruntime") if any(m.framework == name for m in measurements)]
+    titles = {"torch": "PyTorch", "onnxruntime": "onnxruntime"}
+    header = "| mode | input | batch | " + " | ".join(
+        f"MindSpore / {titles[name]} by round | lowest" for name in others) + " |"
+    rows = [header, "|" + "---|" * (header.count("|") - 1)]
+    for mode, size, batch in keys:
+        found = {m.framework: m.round_images_per_second for m in measurements
+                 if (m.mode, m.image_size, m.batch_size) == (mode, size, batch)}
+        cells = []
+        for name in others:
+            ours, theirs = found.get("mindspore", []), found.get(name, [])
+            ratios = [a / b for a, b in zip(ours, theirs)] if len(ours) == len(theirs) else []
+            cells += [" / ".join(f"{r:.2f}x" for r in ratios) or "-", f"{min(ratios):.2f}x" if ratios else "-"]
+        rows.append(f"| {mode} | {size}x{size} | {batch} | " + " | ".join(cells) + " |")
     return "\n".join(rows)
 
 

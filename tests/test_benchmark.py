@@ -6,6 +6,7 @@ import importlib.util
 import json
 import math
 import os
+from dataclasses import replace
 
 import pytest
 
@@ -141,9 +142,11 @@ def test_end_to_end_run_writes_flop_rates_and_gemm_rates(tmp_path):
     assert isa == {"all"}  # the MindSpore model workers' setting
     for m in result["measurements"]:
         assert len(m["seconds_per_step"]) == 2  # one repeat in each of the 2 rounds
+        assert m["round_images_per_second"] == pytest.approx([4 / t for t in m["seconds_per_step"]])
         assert m["flops_per_image"] == 2 * macs
         assert m["gflops_per_second"] == pytest.approx(2 * macs * m["images_per_second"] / 1e9)
         assert m["percent_of_gemm"] == pytest.approx(100 * m["gflops_per_second"] / gemm["reference_gflops_per_second"])
+    assert "by round | lowest |" in process.stdout
     assert f"| {ours['gflops_per_second']:.1f} | {ours['percent_of_gemm']:.1f} |" in process.stdout
 
 
@@ -159,6 +162,20 @@ def test_memory_table_reports_each_frameworks_peak_of_the_timed_steps():
     assert ("| mode | input | batch | MindSpore peak MB | PyTorch peak MB | onnxruntime peak MB "
             "| MindSpore / PyTorch memory |") in text
     assert "| train | 32x32 | 10 | 900 | 1200 | - | 0.75x |" in text and "| eval | 32x32 | 10 | - | - | 300 | - |" in text
+
+
+def test_round_table_gives_each_rounds_ratio_and_the_lowest():
+    ours = Measurement("mindspore", "train", 32, 8, 2, [1.0] * 3, round_images_per_second=[20.0, 30.0, 16.0])
+    theirs = Measurement("torch", "train", 32, 8, 2, [1.0] * 3, round_images_per_second=[10.0, 10.0, 10.0])
+    ort = Measurement("onnxruntime", "eval", 32, 8, 2, [1.0] * 3, round_images_per_second=[5.0, 5.0, 5.0])
+    ours_eval = Measurement("mindspore", "eval", 32, 8, 2, [1.0] * 3, round_images_per_second=[6.0, 4.0, 5.0])
+    text = table([ours, theirs, ort, ours_eval])
+    assert ("| mode | input | batch | MindSpore / PyTorch by round | lowest | MindSpore / onnxruntime by round "
+            "| lowest |") in text
+    assert "| train | 32x32 | 8 | 2.00x / 3.00x / 1.60x | 1.60x | - | - |" in text
+    assert "| eval | 32x32 | 8 | - | - | 1.20x / 0.80x / 1.00x | 0.80x |" in text
+    one_round = [replace(ours, round_images_per_second=[20.0]), replace(theirs, round_images_per_second=[10.0])]
+    assert "by round" not in table(one_round) and "by round" not in table([ours])  # nothing to compare with
 
 
 def test_several_batch_sizes_are_rows_of_their_own():
