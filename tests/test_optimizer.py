@@ -56,6 +56,7 @@ def test_nesterov_momentum_matches_torch_sgd(nesterov, native):
 
 @pytest.mark.parametrize("args, fragments", [
     (["--nesterov"], ["nesterov", "optimizer momentum"]),
+    (["--optimizer", "momentum", "--nesterov", "--momentum", "0"], ["nesterov", "momentum"]),
     (["--lr_schedule", "onecycle", "--warmup_epochs", "1"], ["warmup_epochs", "onecycle"]),
     (["--grad_clip_norm", "-1"], ["grad_clip_norm"]),
 ])

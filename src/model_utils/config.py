@@ -190,6 +190,9 @@ def _check_values(values: Dict[str, Any]) -> None:
     if values["nesterov"] and values["optimizer"] != "momentum":
         raise UserError(f"config key 'nesterov' needs optimizer momentum, got optimizer {values['optimizer']!r}: "
                         "set --optimizer momentum or --nesterov false")
+    if values["nesterov"] and not values["momentum"] > 0:
+        raise UserError(f"config key 'nesterov' needs a momentum above 0, got momentum {values['momentum']!r}: "
+                        "set --momentum 0.9 or --nesterov false")
     if values["lr_schedule"] == "onecycle" and values["warmup_epochs"]:
         raise UserError("config key 'warmup_epochs' must be 0 with lr_schedule onecycle, which rises on its own "
                         "(onecycle_pct_start)")
