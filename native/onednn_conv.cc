@@ -594,6 +594,10 @@ struct InferencePlan {
   dnnl::primitive primitive;
   memory::desc src_desc, weights_desc, bias_desc, dst_desc, scratchpad_desc;
   std::map<int64_t, PackedWeights> packed;  // by layer
+  // Where the kernel's weights come from: plain OIHW, or (a matrix product) the one tap of it that a one-pixel
+  // map meets, as an (in, out) matrix view `weights_offset` floats into the OIHW weights.
+  memory::desc source_weights_desc;
+  int64_t weights_offset = 0;
 };
 
 class InferenceRuntime {
@@ -609,7 +613,7 @@ class InferenceRuntime {
                    void *residual, void *dst) {
     auto lock = executor_.Begin();
     InferencePlan &plan = GetPlan(shape);
-    memory plain_weights(memory::desc(shape.weights, memory::data_type::f32, tag::oihw), engine_, weights);
+    memory plain_weights(plan.source_weights_desc, engine_, static_cast<float *>(weights) + plan.weights_offset);
     memory kernel_weights = plain_weights;
     if (plan.weights_desc != plain_weights.get_desc()) {
       if (plan.packed.count(key.layer) == 0 && packed_bytes_ + plan.weights_desc.get_size() > kPackedWeightsLimit) {
@@ -675,6 +679,7 @@ class InferenceRuntime {
                                static_cast<int>(shape.dst_layout));
     auto found = plans_.find(key);
     if (found != plans_.end()) return found->second;
+    if (auto plan = MatrixProductPlan(shape)) return plans_.emplace(key, std::move(*plan)).first->second;
     memory::desc src(shape.src, memory::data_type::f32, LayoutTag(shape.src_layout));
     memory::desc weights(shape.weights, memory::data_type::f32, tag::any);
     memory::desc bias({shape.weights[0]}, memory::data_type::f32, tag::a);
@@ -688,8 +693,42 @@ class InferenceRuntime {
     auto pd = dnnl::convolution_forward::primitive_desc(engine_, dnnl::prop_kind::forward_inference,
                                                         dnnl::algorithm::convolution_direct, src, weights, bias, dst,
                                                         shape.strides, shape.padding, shape.padding, attr);
-    InferencePlan plan{dnnl::convolution_forward(pd), src, pd.weights_desc(), bias, dst, pd.scratchpad_desc(), {}};
+    InferencePlan plan{dnnl::convolution_forward(pd), src, pd.weights_desc(), bias, dst, pd.scratchpad_desc(), {},
+                       memory::desc(shape.weights, memory::data_type::f32, tag::oihw), 0};
     return plans_.emplace(key, std::move(plan)).first->second;
+  }
+
+  // A layer whose input and output maps are one pixel each (layer4 at 32x32 with the ImageNet stem) is a
+  // matrix product: (batch, in) x (in, out) with the single kernel tap that pixel meets, bias and post-ops as
+  // the convolution's. Every layout of a one-pixel map is that (batch, channels) matrix. oneDNN's 1x1
+  // convolution kernels run such shapes at about half a matrix product's rate. None where the shape is
+  // otherwise, or where oneDNN has only its reference matmul for it.
+  std::optional<InferencePlan> MatrixProductPlan(const InferenceShape &shape) {
+    const memory::dims &w = shape.weights;
+    const bool one_pixel = shape.src[2] == 1 && shape.src[3] == 1 && shape.dst[2] == 1 && shape.dst[3] == 1;
+    if (!one_pixel || shape.padding[0] >= w[2] || shape.padding[1] >= w[3]) return std::nullopt;
+    const memory::dim batch = shape.src[0], in = w[1], out = w[0], taps = w[2] * w[3];
+    memory::desc src({batch, in}, memory::data_type::f32, tag::ab);
+    memory::desc weights({in, out}, memory::data_type::f32, tag::any);
+    memory::desc bias({1, out}, memory::data_type::f32, tag::ab);
+    memory::desc dst({batch, out}, memory::data_type::f32, tag::ab);
+    dnnl::post_ops post_ops;
+    if (shape.post == PostOp::kAddRelu) post_ops.append_binary(dnnl::algorithm::binary_add, dst);
+    if (shape.post != PostOp::kNone) post_ops.append_eltwise(dnnl::algorithm::eltwise_relu, 0.f, 0.f);
+    dnnl::primitive_attr attr;
+    attr.set_post_ops(post_ops);
+    attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
+    dnnl::matmul::primitive_desc pd;
+    try {
+      pd = dnnl::matmul::primitive_desc(engine_, src, weights, bias, dst, attr);
+    } catch (const dnnl::error &) {
+      return std::nullopt;
+    }
+    if (std::strncmp(pd.impl_info_str(), "ref", 3) == 0) return std::nullopt;
+    // The tap at (padding, padding) of OIHW weights, read as an (in, out) matrix.
+    memory::desc tap({in, out}, memory::data_type::f32, memory::dims{taps, in * taps});
+    const int64_t offset = shape.padding[0] * w[3] + shape.padding[1];
+    return InferencePlan{dnnl::matmul(pd), src, pd.weights_desc(), bias, dst, pd.scratchpad_desc(), {}, tap, offset};
   }
 
   Executor &executor_;

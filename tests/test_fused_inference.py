@@ -37,12 +37,12 @@ def reference_logits(net_blocked: nn.Cell, model_name: str, images: np.ndarray) 
 
 @pytest.mark.parametrize("model_name, batch, size, layout", [
     ("resnet50", 4, 32, "auto"), ("resnet18", 3, 40, "auto"), ("resnet18", 2, 40, "nhwc"),
-    ("resnet18", 2, 72, "nhwc")])
+    ("resnet18", 2, 72, "nhwc"), ("resnet18", 2, 32, "nhwc")])
 @pytest.mark.slow
 def test_fused_network_computes_the_resnet_inference(model_name, batch, size, layout):
     """Equal to the plain MindSpore network (nn.Conv2d, BatchNorm, ReLU, add) to float rounding, on either layout
     (auto is blocked for ResNets); 40 and 72 give odd map sizes (20, 10, 5, 3; 9, 5, 3) at the pool and the
-    strided layers."""
+    strided layers; at 32 layer4's one-pixel layers run as matrix products (3x3 kernels by their centre tap)."""
     rng = np.random.default_rng(0)
     net = build_resnet(model_name, 10, conv_implementation="onednn_blocked")
     randomise_statistics(net, rng)
@@ -135,16 +135,18 @@ fused(images).asnumpy()
 print("SECOND PASS", flush=True)
 fused(images).asnumpy()
 """
-# ReLUs: after the stem, every convolution inside a block but the last, and every residual addition.
-@pytest.mark.parametrize("model_name, size, choice, isa, convolutions, additions, relus", [
-    ("resnet50", 32, "auto", None, 53, 16, 49), ("resnet50", 32, "auto", "AVX2", 53, 16, 49),
-    ("resnet18", 72, "nhwc", None, 20, 8, 17)], ids=["resnet50-blocked", "resnet50-blocked-AVX2", "resnet18-nhwc"])
+# ReLUs: after the stem, every convolution inside a block but the last, and every residual addition. Matrix
+# products: layer4's layers whose input and output maps are one pixel (ResNet-50 at 32x32: 7 of its 53 layers).
+@pytest.mark.parametrize("model_name, size, choice, isa, convolutions, products, additions, relus", [
+    ("resnet50", 32, "auto", None, 46, 7, 16, 49), ("resnet50", 32, "auto", "AVX2", 46, 7, 16, 49),
+    ("resnet18", 72, "nhwc", None, 20, 0, 8, 17)], ids=["resnet50-blocked", "resnet50-blocked-AVX2", "resnet18-nhwc"])
 @pytest.mark.slow
 def test_oneDNN_log_one_call_per_layer_and_no_reorders_after_the_first_pass(model_name, size, choice, isa,
-                                                                             convolutions, additions, relus):
+                                                                             convolutions, products, additions, relus):
     """oneDNN's own log: one convolution a layer with BatchNorm folded (bias), ReLU and the residual additions as
     post-ops, none through GEMM or reference kernels, on the chosen layout (channel blocks of 16 with AVX-512,
-    of 8 under an AVX2 cap; the stem reads the NCHW images there); the second pass reorders nothing at all."""
+    of 8 under an AVX2 cap; the stem reads the NCHW images there), and a matrix product with the same bias and
+    post-ops (not oneDNN's reference one) where a layer's maps are one pixel; the second pass reorders nothing."""
     layout = "acdb" if choice == "nhwc" else f"aBcd{native_channel_block(isa)}b"  # oneDNN's names for NHWC, blocks
     executed = onednn_exec_log(["-c", VERBOSE_SCRIPT, model_name, str(size), choice], isa, marker="SECOND PASS")
     kinds = [fields[5] for fields in executed]
@@ -152,6 +154,10 @@ def test_oneDNN_log_one_call_per_layer_and_no_reorders_after_the_first_pass(mode
     assert "reorder" not in kinds
     assert "eltwise" not in kinds and "binary" not in kinds and "batch_normalization" not in kinds
     layers = [fields for fields in executed if fields[5] == "convolution"]
+    # The layers' matrix products carry the folded BatchNorm's bias; the classifier's (MindSpore's Dense) does not.
+    matrix_products = [fields for fields in executed if fields[5] == "matmul" and "bia:f32" in ",".join(fields)]
+    assert len(matrix_products) == products
+    assert all("ref" not in fields[6] for fields in matrix_products)
     for number, fields in enumerate(layers):
         line = ",".join(fields)
         assert fields[7] == "forward_inference", line
@@ -161,8 +167,8 @@ def test_oneDNN_log_one_call_per_layer_and_no_reorders_after_the_first_pass(mode
         assert "bia:f32" in line, line
     pooling = ",".join(executed[kinds.index("pooling")])
     assert f"src:f32::blocked:{layout}:" in pooling, pooling
-    assert sum("binary_add" in ",".join(fields) for fields in layers) == additions
-    assert sum("eltwise_relu" in ",".join(fields) for fields in layers) == relus
+    assert sum("binary_add" in ",".join(fields) for fields in layers + matrix_products) == additions
+    assert sum("eltwise_relu" in ",".join(fields) for fields in layers + matrix_products) == relus
 
 
 def test_native_thread_count_follows_the_user_setting(monkeypatch):
