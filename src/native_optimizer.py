@@ -7,7 +7,7 @@ NativeMomentum and NativeNesterovSGD are nn.Adam, nn.Momentum and nn.SGD(nestero
 step counters, so checkpoints and resuming are the same) whose update is one of native/onednn_conv.cc's AdamUpdate,
 MomentumUpdate and NesterovSgdUpdate: decay, state and weights in one read and one write.
 """
-from typing import Sequence
+from typing import Sequence, Tuple
 
 import mindspore as ms
 import numpy as np
@@ -24,7 +24,7 @@ def _update_dtype(*dtypes):
     return ms.float32
 
 
-def _native_update(optimizer: nn.Optimizer, kernel: str):
+def _native_update(optimizer: nn.Optimizer, kernel: str) -> Tuple[ms.Tensor, ops.Custom]:
     """The decays (one per parameter) and the native update op for an optimizer whose groups differ only in a
     fixed weight_decay, over float32 parameters, without loss scale or gradient centralization."""
     name = type(optimizer).__name__
