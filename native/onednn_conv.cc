@@ -204,6 +204,12 @@ class Buffer {
 
 enum class Direction { kForward, kBackwardData, kBackwardWeights };
 
+// One kernel tap of OIHW weights (`taps` = KH x KW per kernel) read as an (in, out) matrix: a view that starts
+// at the tap, (kh * KW + kw) floats into the weights. A one-pixel map meets only one tap of each kernel.
+memory::desc TapAsInOut(memory::dim in, memory::dim out, memory::dim taps) {
+  return memory::desc({in, out}, memory::data_type::f32, memory::dims{taps, in * taps});
+}
+
 // Primitive and layouts for one convolution shape and direction, created once.
 struct Plan {
   dnnl::primitive primitive;
@@ -388,7 +394,7 @@ class Runtime {
     OnePixelPlan plan;
     plan.tap = pad * kw + pad;
     plan.kernel_1x1 = taps == 1;
-    plan.centre_io = memory::desc({in, out}, f32, memory::dims{taps, in * taps});
+    plan.centre_io = TapAsInOut(in, out, taps);
     plan.centre_oi = memory::desc({out, in}, f32, memory::dims{in * taps, taps});
     plan.x = memory::desc({n, in}, f32, tag::ab);
     plan.y = memory::desc({n, out}, f32, tag::ab);
@@ -567,6 +573,18 @@ tag LayoutTag(Layout layout) {
   return layout == Layout::kNhwc ? tag::nhwc : layout == Layout::kNchw ? tag::nchw : BlockedTag();
 }
 
+// Inference primitives' attributes: the residual addition (a tensor shaped as dst) and ReLU as post-ops, and the
+// scratchpad passed in by the caller.
+dnnl::primitive_attr InferenceAttr(PostOp post, const memory::desc &dst) {
+  dnnl::post_ops post_ops;
+  if (post == PostOp::kAddRelu) post_ops.append_binary(dnnl::algorithm::binary_add, dst);
+  if (post != PostOp::kNone) post_ops.append_eltwise(dnnl::algorithm::eltwise_relu, 0.f, 0.f);
+  dnnl::primitive_attr attr;
+  attr.set_post_ops(post_ops);
+  attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
+  return attr;
+}
+
 struct InferenceShape {
   memory::dims src, weights, dst, strides, padding;  // logical NCHW / OIHW dims
   PostOp post;
@@ -684,15 +702,10 @@ class InferenceRuntime {
     memory::desc weights(shape.weights, memory::data_type::f32, tag::any);
     memory::desc bias({shape.weights[0]}, memory::data_type::f32, tag::a);
     memory::desc dst(shape.dst, memory::data_type::f32, LayoutTag(shape.dst_layout));
-    dnnl::post_ops post_ops;
-    if (shape.post == PostOp::kAddRelu) post_ops.append_binary(dnnl::algorithm::binary_add, dst);
-    if (shape.post != PostOp::kNone) post_ops.append_eltwise(dnnl::algorithm::eltwise_relu, 0.f, 0.f);
-    dnnl::primitive_attr attr;
-    attr.set_post_ops(post_ops);
-    attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
     auto pd = dnnl::convolution_forward::primitive_desc(engine_, dnnl::prop_kind::forward_inference,
                                                         dnnl::algorithm::convolution_direct, src, weights, bias, dst,
-                                                        shape.strides, shape.padding, shape.padding, attr);
+                                                        shape.strides, shape.padding, shape.padding,
+                                                        InferenceAttr(shape.post, dst));
     InferencePlan plan{dnnl::convolution_forward(pd), src, pd.weights_desc(), bias, dst, pd.scratchpad_desc(), {},
                        memory::desc(shape.weights, memory::data_type::f32, tag::oihw), 0};
     return plans_.emplace(key, std::move(plan)).first->second;
@@ -712,23 +725,17 @@ class InferenceRuntime {
     memory::desc weights({in, out}, memory::data_type::f32, tag::any);
     memory::desc bias({1, out}, memory::data_type::f32, tag::ab);
     memory::desc dst({batch, out}, memory::data_type::f32, tag::ab);
-    dnnl::post_ops post_ops;
-    if (shape.post == PostOp::kAddRelu) post_ops.append_binary(dnnl::algorithm::binary_add, dst);
-    if (shape.post != PostOp::kNone) post_ops.append_eltwise(dnnl::algorithm::eltwise_relu, 0.f, 0.f);
-    dnnl::primitive_attr attr;
-    attr.set_post_ops(post_ops);
-    attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
     dnnl::matmul::primitive_desc pd;
     try {
-      pd = dnnl::matmul::primitive_desc(engine_, src, weights, bias, dst, attr);
+      pd = dnnl::matmul::primitive_desc(engine_, src, weights, bias, dst, InferenceAttr(shape.post, dst));
     } catch (const dnnl::error &) {
       return std::nullopt;
     }
     if (std::strncmp(pd.impl_info_str(), "ref", 3) == 0) return std::nullopt;
-    // The tap at (padding, padding) of OIHW weights, read as an (in, out) matrix.
-    memory::desc tap({in, out}, memory::data_type::f32, memory::dims{taps, in * taps});
+    // The tap the pixel meets is the one at (padding, padding).
     const int64_t offset = shape.padding[0] * w[3] + shape.padding[1];
-    return InferencePlan{dnnl::matmul(pd), src, pd.weights_desc(), bias, dst, pd.scratchpad_desc(), {}, tap, offset};
+    return InferencePlan{dnnl::matmul(pd), src, pd.weights_desc(), bias, dst, pd.scratchpad_desc(), {},
+                         TapAsInOut(in, out, taps), offset};
   }
 
   Executor &executor_;
