@@ -308,10 +308,9 @@ TRAIN_PY_STEP_LINE = re.compile(r"epoch 2/2 step \d+/\d+ loss \S+ lr \S+ ([0-9.]
 def measure_train_py(model_name: str, image_size: int, batch_size: int, threads: int, steps: int,
                      work_folder: str, optimizer: str = "adam") -> Measurement:
     """Seconds per step of a real train.py run (the default recipe with the optimizer named in OPTIMIZERS, on
-    generated CIFAR-format data, at image_size,
-    batch_size, `threads` threads as its OMP_NUM_THREADS): two epochs of `steps` steps, logging every step; the
-    second epoch's steps are timed (the first compiles). What a user's run gets, for comparison with the worker's
-    bare training step."""
+    generated CIFAR-format data, at image_size, batch_size, `threads` threads as its OMP_NUM_THREADS): two epochs
+    of `steps` steps, logging every step; the second epoch's steps are timed (the first compiles). What a user's
+    run gets, for comparison with the worker's bare training step."""
     output = Path(work_folder) / f"train-{image_size}"
     command = [sys.executable, str(REPO / "train.py"), "--model_name", model_name,
                "--data_path", str(Path(work_folder) / "data"), "--synthetic_data", "true", "--download", "false",
