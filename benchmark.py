@@ -126,7 +126,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "read once per timing of --steps steps as with dataset_sink_mode, then -plain for the "
                              "activations reordered to the plain layout around every native convolution, then "
                              "-nn_optimizer for MindSpore's own optimizer instead of the native one-pass update "
-                             "(e.g. O0,O2,O3,O0-sink,O0-plain,O0-nn_optimizer); "
+                             "or -oihw_gradients for that update with the weight gradients reordered to OIHW "
+                             "(e.g. O0,O2,O3,O0-sink,O0-plain,O0-nn_optimizer,O0-oihw_gradients); "
                              "the first is compared with PyTorch, all of them with the first")
     parser.add_argument("--optimizer", choices=tuple(OPTIMIZERS), default="adam",
                         help="the training step's optimizer, in every framework: adam (the reference's, train.py's "

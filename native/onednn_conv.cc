@@ -38,6 +38,8 @@
 #include <unordered_map>
 #include <vector>
 
+#include <immintrin.h>
+
 #include "oneapi/dnnl/dnnl.hpp"
 #include "oneapi/dnnl/dnnl_threadpool.hpp"
 
@@ -210,6 +212,52 @@ memory::desc TapAsInOut(memory::dim in, memory::dim out, memory::dim taps) {
   return memory::desc({in, out}, memory::data_type::f32, memory::dims{taps, in * taps});
 }
 
+// Weight gradients that training convolutions left in their kernel's own layout, by layer (Python numbers the
+// layers that may do so): the channel block B of an ABcd{B}b{B}a gradient, or 0 for plain OIHW. Writing it there
+// saves reordering it to OIHW, a strided scatter that was the largest reorder of a training step; the native
+// optimizer update reads the gradient, takes the entry and puts the gradient in OIHW order itself, one block of
+// output channels at a time, in cache (UpdatePlan). Every other consumer of the gradients between the two
+// (clipping, unscaling, overflow checks) is element-wise or a global norm, which the order does not change.
+class GradientLayouts {
+ public:
+  static void Record(int64_t layer, int block) {
+    std::lock_guard<std::mutex> lock(Mutex());
+    Map()[layer] = block;
+  }
+  // The layer's entry, removed (0 where none): a step that did not write the gradient (a fallback) reads plain.
+  static int Take(int64_t layer) {
+    std::lock_guard<std::mutex> lock(Mutex());
+    auto found = Map().find(layer);
+    if (found == Map().end()) return 0;
+    const int block = found->second;
+    Map().erase(found);
+    return block;
+  }
+
+ private:
+  static std::mutex &Mutex() {
+    static std::mutex mutex;
+    return mutex;
+  }
+  static std::unordered_map<int64_t, int> &Map() {
+    static std::unordered_map<int64_t, int> map;
+    return map;
+  }
+};
+
+// B where `kernel` is the ABcd{B}b{B}a layout of OIHW `weights` with both channel counts in whole blocks (so it
+// holds exactly the plain tensor's floats, in another order), else 0.
+int KernelLayoutBlock(const memory::desc &kernel, const memory::dims &weights) {
+  const std::pair<int, tag> layouts[] = {{16, tag::ABcd16b16a}, {8, tag::ABcd8b8a}};
+  for (const auto &layout : layouts) {
+    if (weights[0] % layout.first == 0 && weights[1] % layout.first == 0 &&
+        kernel == memory::desc(weights, memory::data_type::f32, layout.second)) {
+      return layout.first;
+    }
+  }
+  return 0;
+}
+
 // Primitive and layouts for one convolution shape and direction, created once.
 struct Plan {
   dnnl::primitive primitive;
@@ -263,13 +311,14 @@ class Runtime {
     stream_.wait();
   }
 
-  // The gradients of ConvBnForward's y: dx (in x's layout), dw (plain), dgamma, dbeta, from dy (in y's layout)
+  // The gradients of ConvBnForward's y: dx (in x's layout), dw (plain OIHW, or with gradient_layer >= 0 the
+  // kernel's layout where GradientLayouts allows it, recorded there), dgamma, dbeta, from dy (in y's layout)
   // and the forward's conv_out, mean and variance. With dx null the input gradient is left to
   // ConvBnBackwardData (run only where it is used), and d_conv_out_result receives what it needs: the
   // convolution's output gradient, in channel blocks.
-  void ConvBnBackward(const Shape &shape, float eps, bool x_blocked, bool y_blocked, void *dy, void *conv_out,
-                      void *mean, void *variance, void *gamma, void *x, void *weights, void *dx, void *dw,
-                      void *dgamma, void *dbeta, void *d_conv_out_result = nullptr) {
+  void ConvBnBackward(const Shape &shape, float eps, bool x_blocked, bool y_blocked, int64_t gradient_layer,
+                      void *dy, void *conv_out, void *mean, void *variance, void *gamma, void *x, void *weights,
+                      void *dx, void *dw, void *dgamma, void *dbeta, void *d_conv_out_result = nullptr) {
     auto lock = executor_.Begin();
     memory::desc x_plain, w_plain, y_plain;
     PlainDescs(Direction::kForward, shape, &x_plain, &w_plain, &y_plain);
@@ -289,15 +338,19 @@ class Runtime {
                                     {DNNL_ARG_DIFF_SHIFT, Channels(shape, dbeta)},
                                     {DNNL_ARG_SCRATCHPAD, Scratchpad(norm.backward_scratchpad)}});
     if (dx) DataGradient(shape, x_blocked, d_conv_out, weights, dx);
+    int block = 0;  // dw's layout: plain, or (gradient_layer >= 0) the kernel's ABcd{B}b{B}a where it is one
     if (const OnePixelPlan *pixel = GetOnePixelPlan(shape)) {
       OnePixelBackwardWeights(*pixel, d_conv_out.get_data_handle(), x, dw);
     } else {
       // As Run computes it, but from d_conv_out, which is already blocked.
       const Plan &filter = GetPlan(Direction::kBackwardWeights, shape);
+      if (gradient_layer >= 0) block = KernelLayoutBlock(filter.result_desc, shape.weights);
       Execute(filter, ToLayout(d_conv_out, filter.first_desc, &buffers_[0]),
-              ToLayout(memory(x_desc, engine_, x), filter.second_desc, &buffers_[1]), w_plain, dw);
+              ToLayout(memory(x_desc, engine_, x), filter.second_desc, &buffers_[1]),
+              block ? filter.result_desc : w_plain, dw);
     }
     stream_.wait();
+    if (gradient_layer >= 0) GradientLayouts::Record(gradient_layer, block);
   }
 
   // ConvBnBackward's deferred input gradient: dx (in x's layout) from its d_conv_out_result.
@@ -809,11 +862,13 @@ int Launch(Direction direction, int stride, int padding, int nparam, void **para
 
 // (x blocked, y blocked) from a layouts tensor of `count` numbers (int64: x's, y's; 0 plain NCHW, 1 channel
 // blocks), checked against the tensors' channels; false (with a message) when it can't be used.
+// The layouts tensor of the training ops: x's and y's layout (0 plain, 1 channel blocks), then the layer number
+// under which the weight gradient may come in the kernel's layout (-1: plain; see GradientLayouts).
 bool ReadTrainingLayouts(const char *what, const int64_t *layouts, int64_t count, const Shape &shape, bool *x_blocked,
-                         bool *y_blocked) {
-  if (count != 2) {
-    std::fprintf(stderr, "%s: the layouts (x's, y's) must be 2 numbers, got %lld\n", what,
-                 static_cast<long long>(count));
+                         bool *y_blocked, int64_t *gradient_layer) {
+  if (count != 3) {
+    std::fprintf(stderr, "%s: the layouts (x's, y's, the weight gradient's layer) must be 3 numbers, got %lld\n",
+                 what, static_cast<long long>(count));
     return false;
   }
   for (int i = 0; i < 2; ++i) {
@@ -823,7 +878,12 @@ bool ReadTrainingLayouts(const char *what, const int64_t *layouts, int64_t count
       return false;
     }
   }
-  *x_blocked = layouts[0] == 1, *y_blocked = layouts[1] == 1;
+  if (layouts[2] < -1) {
+    std::fprintf(stderr, "%s: the weight gradient's layer %lld is neither -1 (plain) nor a layer number\n", what,
+                 static_cast<long long>(layouts[2]));
+    return false;
+  }
+  *x_blocked = layouts[0] == 1, *y_blocked = layouts[1] == 1, *gradient_layer = layouts[2];
   if (*x_blocked && shape.src[1] % ChannelBlock() != 0) {
     std::fprintf(stderr, "%s: a blocked input needs channels in multiples of %d, got %lld\n", what, ChannelBlock(),
                  static_cast<long long>(shape.src[1]));
@@ -832,7 +892,8 @@ bool ReadTrainingLayouts(const char *what, const int64_t *layouts, int64_t count
   return true;
 }
 
-// params: x, weights, gamma, beta, moving mean, moving variance, (eps, momentum), layouts (int64: x's, y's), then
+// params: x, weights, gamma, beta, moving mean, moving variance, (eps, momentum), layouts (int64: x's, y's, the
+// weight gradient's layer; see ReadTrainingLayouts), then
 // the outputs y, conv_out, batch mean, batch variance (biased), new moving mean, new moving variance; all float32
 // but layouts. The moving statistics are updated as nn.BatchNorm2d updates them (momentum: the batch's weight; the
 // unbiased batch variance), here rather than in the graph, where they took seven small ops per BatchNorm.
@@ -844,17 +905,18 @@ int LaunchConvBnForward(int stride, int padding, int nparam, void **params, int 
                                        "int64",   "float32", "float32", "float32", "float32", "float32", "float32"};
   if (!CheckTensors(what, nparam, 14, ndims, dtypes, wanted_ndims, wanted_dtypes)) return 1;
   Shape shape{Dims(shapes[0]), Dims(shapes[1]), Dims(shapes[8]), {stride, stride}, {padding, padding}};
-  if (shape.dst[1] % ChannelBlock() != 0 || shapes[6][0] != 2 || shapes[7][0] != 2) {
+  if (shape.dst[1] % ChannelBlock() != 0 || shapes[6][0] != 2 || shapes[7][0] != 3) {
     std::fprintf(stderr,
-                 "%s: needs output channels in multiples of %d, (eps, momentum) and two layouts, got %lld, %lld and "
-                 "%lld\n",
+                 "%s: needs output channels in multiples of %d, (eps, momentum) and three layout numbers, got %lld, "
+                 "%lld and %lld\n",
                  what, ChannelBlock(), static_cast<long long>(shape.dst[1]), static_cast<long long>(shapes[6][0]),
                  static_cast<long long>(shapes[7][0]));
     return 1;
   }
   bool x_blocked, y_blocked;
+  int64_t gradient_layer;
   if (!ReadTrainingLayouts(what, static_cast<const int64_t *>(params[7]), shapes[7][0], shape, &x_blocked,
-                           &y_blocked)) {
+                           &y_blocked, &gradient_layer)) {
     return 1;
   }
   const float *constants = static_cast<const float *>(params[6]);
@@ -887,15 +949,16 @@ int LaunchConvBnBackward(bool defer_input, int stride, int padding, int nparam, 
   if (!CheckTensors(what, nparam, 13, ndims, dtypes, wanted_ndims, wanted_dtypes)) return 1;
   Shape shape{Dims(shapes[7]), Dims(shapes[8]), Dims(shapes[0]), {stride, stride}, {padding, padding}};
   bool x_blocked, y_blocked;
+  int64_t gradient_layer;
   if (!ReadTrainingLayouts(what, static_cast<const int64_t *>(params[6]), shapes[6][0], shape, &x_blocked,
-                           &y_blocked)) {
+                           &y_blocked, &gradient_layer)) {
     return 1;
   }
   const float eps = *static_cast<const float *>(params[5]);
   return Guarded(what, [&] {
-    Runtime::Get().ConvBnBackward(shape, eps, x_blocked, y_blocked, params[0], params[1], params[2], params[3],
-                                  params[4], params[7], params[8], defer_input ? nullptr : params[9], params[10],
-                                  params[11], params[12], defer_input ? params[9] : nullptr);
+    Runtime::Get().ConvBnBackward(shape, eps, x_blocked, y_blocked, gradient_layer, params[0], params[1], params[2],
+                                  params[3], params[4], params[7], params[8], defer_input ? nullptr : params[9],
+                                  params[10], params[11], params[12], defer_input ? params[9] : nullptr);
   });
 }
 
@@ -910,8 +973,9 @@ int LaunchConvBnBackwardData(int stride, int padding, int nparam, void **params,
   if (!CheckTensors(what, nparam, 5, ndims, dtypes, wanted_ndims, wanted_dtypes)) return 1;
   Shape shape{Dims(shapes[3]), Dims(shapes[1]), Dims(shapes[0]), {stride, stride}, {padding, padding}};
   bool x_blocked, y_blocked;
+  int64_t gradient_layer;
   if (!ReadTrainingLayouts(what, static_cast<const int64_t *>(params[2]), shapes[2][0], shape, &x_blocked,
-                           &y_blocked)) {
+                           &y_blocked, &gradient_layer)) {
     return 1;
   }
   return Guarded(what, [&] { Runtime::Get().ConvBnBackwardData(shape, x_blocked, params[0], params[1], params[4]); });
@@ -1061,29 +1125,95 @@ Step ChooseStep(Step avx512, Step avx2, Step baseline) {
   return bits == 512 ? avx512 : bits == 256 ? avx2 : baseline;
 }
 
-// An optimizer update's inputs: `scalars` float32 values (one each), the decays (one per parameter), then `parts`
-// lists of n float32 tensors (weights first, the gradients last, the state between, each the weight's size), then
-// the output (float32 [1]). Checks them and splits the work into chunks small enough to balance two or more
-// threads and large enough to stream.
+// One block of B output channels of an ABcd{B}b{B}a weight gradient ([in block][tap][in][out] within it) in OIHW
+// order ([out][in][tap]): the rows of the plain tensor it holds. Cache-sized, so the scattered stores stay in cache.
+#define BLOCK_TO_ROWS_ARGS const float *__restrict src, float *__restrict dst, int64_t in_blocks, int64_t taps
+#define BLOCK_TO_ROWS_LOOP(B)                                                              \
+  const int64_t row = in_blocks * B * taps;                                                \
+  for (int64_t ib = 0; ib < in_blocks; ++ib) {                                             \
+    for (int64_t t = 0; t < taps; ++t) {                                                   \
+      const float *tile = src + (ib * taps + t) * B * B;                                   \
+      float *out = dst + ib * B * taps + t;                                                \
+      for (int o = 0; o < B; ++o) {                                                        \
+        for (int i = 0; i < B; ++i) out[o * row + i * taps] = tile[i * B + o];             \
+      }                                                                                    \
+    }                                                                                      \
+  }
+__attribute__((target("avx512f"), optimize("O3"))) void BlockToRows16Loop(BLOCK_TO_ROWS_ARGS) { BLOCK_TO_ROWS_LOOP(16) }
+// 1x1 kernels (one tap), the most of these gradients: each 16x16 tile transposed in registers and stored as 16
+// whole row pieces, about four times the loop's rate.
+__attribute__((target("avx512f"), optimize("O3"))) void BlockToRows16Avx512(BLOCK_TO_ROWS_ARGS) {
+  if (taps != 1) return BlockToRows16Loop(src, dst, in_blocks, taps);
+  const int64_t row = in_blocks * 16;
+  for (int64_t ib = 0; ib < in_blocks; ++ib) {
+    const float *tile = src + ib * 256;
+    __m512 r[16], a[16];
+    for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(tile + i * 16);
+    for (int i = 0; i < 16; i += 2) {
+      a[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+      a[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+      r[i] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(a[i]), _mm512_castps_pd(a[i + 2])));
+      r[i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(a[i]), _mm512_castps_pd(a[i + 2])));
+      r[i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(a[i + 1]), _mm512_castps_pd(a[i + 3])));
+      r[i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(a[i + 1]), _mm512_castps_pd(a[i + 3])));
+    }
+    for (int i = 0; i < 16; i += 8) {
+      for (int j = 0; j < 4; ++j) {
+        a[i + j] = _mm512_shuffle_f32x4(r[i + j], r[i + j + 4], 0x88);
+        a[i + j + 4] = _mm512_shuffle_f32x4(r[i + j], r[i + j + 4], 0xdd);
+      }
+    }
+    for (int j = 0; j < 8; ++j) {
+      r[j] = _mm512_shuffle_f32x4(a[j], a[j + 8], 0x88);
+      r[j + 8] = _mm512_shuffle_f32x4(a[j], a[j + 8], 0xdd);
+    }
+    for (int o = 0; o < 16; ++o) _mm512_storeu_ps(dst + o * row + ib * 16, r[o]);
+  }
+}
+__attribute__((optimize("O3"))) void BlockToRows16Baseline(BLOCK_TO_ROWS_ARGS) { BLOCK_TO_ROWS_LOOP(16) }
+__attribute__((target("avx2"), optimize("O3"))) void BlockToRows8Avx2(BLOCK_TO_ROWS_ARGS) { BLOCK_TO_ROWS_LOOP(8) }
+__attribute__((optimize("O3"))) void BlockToRows8Baseline(BLOCK_TO_ROWS_ARGS) { BLOCK_TO_ROWS_LOOP(8) }
+
+void BlockToRows(int block, const float *src, float *dst, int64_t in_channels, int64_t taps) {
+  static const auto rows16 = StepVectorBits() == 512 ? BlockToRows16Avx512 : BlockToRows16Baseline;
+  static const auto rows8 = StepVectorBits() >= 256 ? BlockToRows8Avx2 : BlockToRows8Baseline;
+  (block == 16 ? rows16 : rows8)(src, dst, in_channels / block, taps);
+}
+
+// An optimizer update's inputs: `scalars` float32 values (one each), the decays (float32, one per parameter), the
+// gradients' layers (int64, one per parameter: the GradientLayouts entry to take, -1 for none), then `parts` lists
+// of n float32 tensors (weights first, the gradients last, the state between, each the weight's size), then the
+// output (float32 [1]). Checks them and splits the work into chunks small enough to balance two or more threads
+// and large enough to stream; a gradient in a kernel's layout is read one block of output channels at a time.
 struct UpdatePlan {
   static constexpr int64_t kChunkElements = 1 << 16;
+  struct Chunk {
+    int k;  // parameter
+    int64_t first, count;  // elements
+  };
   int n = 0;
   const float *decays = nullptr;
+  const float *const *gradients = nullptr;
   std::vector<int64_t> sizes;
-  std::vector<std::pair<int, int64_t>> chunks;  // (parameter, first element)
+  std::vector<int> blocks;  // per parameter: its gradient's channel block (0: plain OIHW)
+  std::vector<int64_t> in_channels, taps;
+  std::vector<Chunk> chunks;
 
   bool Read(const char *what, int scalars, int parts, int nparam, int *ndims, int64_t **shapes,
             const char **dtypes, void **params) {
-    const int tensors = nparam - scalars - 2;
+    const int tensors = nparam - scalars - 3;
     if (tensors <= 0 || tensors % parts != 0) {
-      std::fprintf(stderr, "%s: expected %d scalars, decays, %d x n tensors and an output, got %d tensors\n", what,
-                   scalars, parts, nparam);
+      std::fprintf(stderr, "%s: expected %d scalars, decays, layers, %d x n tensors and an output, got %d tensors\n",
+                   what, scalars, parts, nparam);
       return false;
     }
     n = tensors / parts;
     for (int i = 0; i < nparam; ++i) {
-      if (std::strcmp(dtypes[i], "float32") != 0) {
-        std::fprintf(stderr, "%s: tensor %d must be float32, got %s\n", what, i, dtypes[i]);
+      const char *wanted = i == scalars + 1 ? "int64" : "float32";
+      if (std::strcmp(dtypes[i], wanted) != 0) {
+        std::fprintf(stderr, "%s: tensor %d must be %s, got %s\n", what, i, wanted, dtypes[i]);
         return false;
       }
     }
@@ -1099,14 +1229,16 @@ struct UpdatePlan {
         return false;
       }
     }
-    if (elements(scalars) != n) {
-      std::fprintf(stderr, "%s: decays must hold %d values, got %lld\n", what, n,
-                   static_cast<long long>(elements(scalars)));
+    if (elements(scalars) != n || elements(scalars + 1) != n) {
+      std::fprintf(stderr, "%s: decays and layers must hold %d values each, got %lld and %lld\n", what, n,
+                   static_cast<long long>(elements(scalars)), static_cast<long long>(elements(scalars + 1)));
       return false;
     }
     decays = static_cast<const float *>(params[scalars]);
-    const int first_weight = scalars + 1;
-    sizes.resize(n);
+    const auto *layers = static_cast<const int64_t *>(params[scalars + 1]);
+    const int first_weight = scalars + 2;
+    gradients = reinterpret_cast<const float *const *>(params + first_weight + (parts - 1) * n);
+    sizes.resize(n), blocks.assign(n, 0), in_channels.assign(n, 0), taps.assign(n, 0);
     for (int k = 0; k < n; ++k) {
       sizes[k] = elements(first_weight + k);
       for (int part = 1; part < parts; ++part) {
@@ -1115,23 +1247,41 @@ struct UpdatePlan {
           return false;
         }
       }
+      const int block = layers[k] >= 0 ? GradientLayouts::Take(layers[k]) : 0;
+      const int64_t *shape = shapes[first_weight + k];
+      if (block && (ndims[first_weight + k] != 4 || shape[0] % block != 0 || shape[1] % block != 0)) {
+        std::fprintf(stderr, "%s: parameter %d's gradient came in channel blocks of %d, which its shape can't hold\n",
+                     what, k, block);
+        return false;
+      }
+      if (block) blocks[k] = block, in_channels[k] = shape[1], taps[k] = shape[2] * shape[3];
     }
     for (int k = 0; k < n; ++k) {
-      for (int64_t first = 0; first < sizes[k]; first += kChunkElements) chunks.emplace_back(k, first);
+      const int64_t step = blocks[k] ? blocks[k] * in_channels[k] * taps[k] : kChunkElements;
+      for (int64_t first = 0; first < sizes[k]; first += step) {
+        chunks.push_back({k, first, std::min(sizes[k] - first, step)});
+      }
     }
     return true;
   }
 
-  // Runs step(parameter, first element, element count) over every chunk on the pool, then zeroes the output.
+  // Runs step(parameter, first element, element count, its gradient in OIHW order) over every chunk on the pool,
+  // then zeroes the output.
   template <typename Step>
   int Run(const char *what, void *output, Step step) const {
     return Guarded(what, [&] {
       auto &executor = Executor::Get();
       auto lock = executor.Begin();
       executor.pool.parallel_for(static_cast<int>(chunks.size()), [&](int index, int) {
-        const int k = chunks[index].first;
-        const int64_t first = chunks[index].second;
-        step(k, first, std::min(sizes[k] - first, kChunkElements));
+        const Chunk &chunk = chunks[index];
+        const float *gradient = gradients[chunk.k] + chunk.first;
+        if (blocks[chunk.k]) {
+          thread_local std::vector<float> rows;
+          rows.resize(chunk.count);
+          BlockToRows(blocks[chunk.k], gradient, rows.data(), in_channels[chunk.k], taps[chunk.k]);
+          gradient = rows.data();
+        }
+        step(chunk.k, chunk.first, chunk.count, gradient);
       });
       *static_cast<float *>(output) = 0.0f;
     });
@@ -1143,8 +1293,8 @@ float Scalar(void **params, int i) { return *static_cast<const float *>(params[i
 // Adam with L2 weight decay over every parameter in one pass, in place: what MindSpore's nn.Adam computes with
 // its decay (gradient + decay * weight, an addition and a multiplication per parameter, each a pass over memory)
 // before its Adam kernel, as one read of weight, gradient and moments and one write of weight and moments.
-// params: lr, beta1, beta2, eps, beta1_power, beta2_power (the powers after this step's update), decays, then n
-// weights, n first moments, n second moments, n gradients, then the output (set to 0).
+// params: lr, beta1, beta2, eps, beta1_power, beta2_power (the powers after this step's update), decays, layers,
+// then n weights, n first moments, n second moments, n gradients, then the output (set to 0).
 int LaunchAdamUpdate(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes) {
   const char *what = "onednn_conv adam update";
   constexpr int kScalars = 6, kParts = 4;
@@ -1155,15 +1305,16 @@ int LaunchAdamUpdate(int nparam, void **params, int *ndims, int64_t **shapes, co
   const float step = lr * std::sqrt(1.0f - Scalar(params, 5)) / (1.0f - Scalar(params, 4));
   static const auto adam_step = ChooseStep(AdamStepAvx512, AdamStepAvx2, AdamStepBaseline);
   const int n = plan.n;
-  return plan.Run(what, params[nparam - 1], [&](int k, int64_t first, int64_t count) {
-    auto tensor = [&](int part) { return static_cast<float *>(params[kScalars + 1 + part * n + k]) + first; };
-    adam_step(tensor(0), tensor(1), tensor(2), tensor(3), count, plan.decays[k], beta1, beta2, eps, step);
+  return plan.Run(what, params[nparam - 1], [&](int k, int64_t first, int64_t count, const float *gradient) {
+    auto tensor = [&](int part) { return static_cast<float *>(params[kScalars + 2 + part * n + k]) + first; };
+    adam_step(tensor(0), tensor(1), tensor(2), gradient, count, plan.decays[k], beta1, beta2, eps, step);
   });
 }
 
 // Momentum SGD with L2 weight decay in one pass, in place: nn.Momentum's decay and ApplyMomentum (nesterov
 // false), or nn.SGD's decay and SGD kernel with nesterov (and its per-element first-step flags, stat).
-// params: lr, momentum, decays, then n weights, n accumulators, (nesterov: n stat tensors,) n gradients, output.
+// params: lr, momentum, decays, layers, then n weights, n accumulators, (nesterov: n stat tensors,) n gradients,
+// output.
 int LaunchMomentumUpdate(bool nesterov, int nparam, void **params, int *ndims, int64_t **shapes,
                          const char **dtypes) {
   const char *what = nesterov ? "onednn_conv nesterov sgd update" : "onednn_conv momentum update";
@@ -1175,12 +1326,12 @@ int LaunchMomentumUpdate(bool nesterov, int nparam, void **params, int *ndims, i
   static const auto momentum_step = ChooseStep(MomentumStepAvx512, MomentumStepAvx2, MomentumStepBaseline);
   static const auto nesterov_step = ChooseStep(NesterovStepAvx512, NesterovStepAvx2, NesterovStepBaseline);
   const int n = plan.n;
-  return plan.Run(what, params[nparam - 1], [&](int k, int64_t first, int64_t count) {
-    auto tensor = [&](int part) { return static_cast<float *>(params[kScalars + 1 + part * n + k]) + first; };
+  return plan.Run(what, params[nparam - 1], [&](int k, int64_t first, int64_t count, const float *gradient) {
+    auto tensor = [&](int part) { return static_cast<float *>(params[kScalars + 2 + part * n + k]) + first; };
     if (nesterov) {
-      nesterov_step(tensor(0), tensor(1), tensor(2), tensor(3), count, plan.decays[k], lr, momentum);
+      nesterov_step(tensor(0), tensor(1), tensor(2), gradient, count, plan.decays[k], lr, momentum);
     } else {
-      momentum_step(tensor(0), tensor(1), tensor(2), count, plan.decays[k], lr, momentum);
+      momentum_step(tensor(0), tensor(1), gradient, count, plan.decays[k], lr, momentum);
     }
   });
 }

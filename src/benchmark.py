@@ -108,7 +108,7 @@ def _time_steps(run_step: Callable[[], None], warmup: int, repeats: int, steps: 
     return timings
 
 
-RECIPE_PATTERN = re.compile(r"^O[0-3](-sink)?(-plain)?(-nn_optimizer)?$")
+RECIPE_PATTERN = re.compile(r"^O[0-3](-sink)?(-plain)?(-nn_optimizer|-oihw_gradients)?$")
 
 # The training step's optimizer, the same in both frameworks: the reference's Adam (train.py's default), or the
 # Nesterov momentum SGD of the configs/ recipes. MindSpore's config arguments, then torch.optim's.
@@ -123,10 +123,11 @@ def check_recipe(recipe: str) -> str:
     """A training recipe name: an amp_level O0-O3, with -sink for the loss read once per sink (here: per timing) and
     -plain for activations reordered to the plain layout around every native convolution (build_resnet's
     blocked_activations=False), -nn_optimizer for MindSpore's own optimizer (nn.Adam, nn.SGD) where the native
-    library would run the one-pass update (src/native_optimizer.py)."""
+    library would run the one-pass update (src/native_optimizer.py), or -oihw_gradients for that update with every
+    weight gradient reordered to plain OIHW first (no gradients_in_kernel_layout)."""
     if not RECIPE_PATTERN.match(recipe):
         raise ValueError(f"unknown recipe {recipe!r}: an amp_level O0-O3, optionally followed by -sink, then -plain, "
-                         f"then -nn_optimizer")
+                         f"then -nn_optimizer or -oihw_gradients")
     return recipe
 
 
@@ -182,7 +183,8 @@ def mindspore_step(mode: str, model_name: str, image_size: int, batch_size: int,
         return lambda: inference_net(images).asnumpy(), ran, None
     learning_rates = schedule_from_config(config.replace(epoch_size=1, warmup_epochs=0), total_steps)
     native = native_update_allowed(config, conv_implementation) and "-nn_optimizer" not in recipe
-    update = build_optimizer(config, net.trainable_params(), learning_rates, native=native)
+    update = build_optimizer(config, net.trainable_params(), learning_rates, native=native,
+                             gradients_from=None if "-oihw_gradients" in recipe else net)
     level = check_recipe(recipe).split("-")[0]
     amp = AmpSetting(level, None if level == "O0" else config.loss_scale)
     sink = "-sink" in recipe

@@ -7,13 +7,18 @@ NativeMomentum and NativeNesterovSGD are nn.Adam, nn.Momentum and nn.SGD(nestero
 step counters, so checkpoints and resuming are the same) whose update is one of native/onednn_conv.cc's AdamUpdate,
 MomentumUpdate and NesterovSgdUpdate: decay, state and weights in one read and one write.
 """
+import itertools
 from typing import Sequence, Tuple
 
 import mindspore as ms
 import numpy as np
 from mindspore import nn, ops
 
-from src.onednn_conv import usable_library
+from src.onednn_conv import BlockedConv2d, usable_library
+
+# Numbers for the layers whose weight gradients may come in their kernel's layout: unique in the process, as the
+# native library keeps one table of them.
+_gradient_layer_numbers = itertools.count(0)
 
 
 def _update_shape(*shapes):
@@ -24,9 +29,10 @@ def _update_dtype(*dtypes):
     return ms.float32
 
 
-def _native_update(optimizer: nn.Optimizer, kernel: str) -> Tuple[ms.Tensor, ops.Custom]:
-    """The decays (one per parameter) and the native update op for an optimizer whose groups differ only in a
-    fixed weight_decay, over float32 parameters, without loss scale or gradient centralization."""
+def _native_update(optimizer: nn.Optimizer, kernel: str) -> Tuple[ms.Tensor, ms.Tensor, ops.Custom]:
+    """The decays and the gradients' layers (-1 each: plain; see gradients_in_kernel_layout), one per parameter, and
+    the native update op for an optimizer whose groups differ only in a fixed weight_decay, over float32
+    parameters, without loss scale or gradient centralization."""
     name = type(optimizer).__name__
     offload = getattr(optimizer, "use_offload", False)  # only nn.Adam has it
     if (optimizer.is_group_lr or optimizer.dynamic_weight_decay or optimizer.need_scale or offload
@@ -37,7 +43,29 @@ def _native_update(optimizer: nn.Optimizer, kernel: str) -> Tuple[ms.Tensor, ops
     decays = optimizer.group_weight_decay if optimizer.is_group else [optimizer.weight_decay] * len(
         optimizer._parameters)
     update = ops.Custom(f"{usable_library()}:{kernel}", _update_shape, _update_dtype, func_type="aot")
-    return ms.Tensor(np.array(decays, np.float32)), update
+    layers = ms.Tensor(np.full(len(decays), -1, np.int64))
+    return ms.Tensor(np.array(decays, np.float32)), layers, update
+
+
+def gradients_in_kernel_layout(net: nn.Cell, optimizer: nn.Optimizer) -> int:
+    """Lets net's fused convolution+BatchNorm layers hand their weight gradients to optimizer, a native update, in
+    the convolution kernel's own layout: the update puts them in OIHW order itself, in cache, which saves the
+    training step a reorder of every weight gradient. Call it before the step first runs (compiles), and only
+    where the gradients go from the network to this optimizer through element-wise operations or global norms
+    (clipping, loss scale): not across processes whose CPUs may differ (data-parallel all-reduce), and not into
+    any other optimizer. Returns the number of layers that do."""
+    if not isinstance(optimizer, NATIVE_OPTIMIZERS):
+        raise ValueError(f"gradients_in_kernel_layout needs a native optimizer, got {type(optimizer).__name__}")
+    index = {param.name: k for k, param in enumerate(optimizer._parameters)}
+    layers = optimizer.gradient_layers.asnumpy()
+    count = 0
+    for _, cell in net.cells_and_names():
+        if isinstance(cell, BlockedConv2d) and cell.runs_batchnorm_itself() and cell.weight.name in index:
+            cell.gradient_layer = next(_gradient_layer_numbers)
+            layers[index[cell.weight.name]] = cell.gradient_layer
+            count += 1
+    optimizer.gradient_layers = ms.Tensor(layers)
+    return count
 
 
 class NativeAdam(nn.Adam):
@@ -47,7 +75,7 @@ class NativeAdam(nn.Adam):
     def __init__(self, params: Sequence, learning_rate, beta1: float = 0.9, beta2: float = 0.999,
                  eps: float = 1e-8) -> None:
         super().__init__(params, learning_rate=learning_rate, beta1=beta1, beta2=beta2, eps=eps)
-        self.decays, self.update = _native_update(self, "AdamUpdate")
+        self.decays, self.gradient_layers, self.update = _native_update(self, "AdamUpdate")
 
     def construct(self, gradients):
         lr = self.get_lr()
@@ -56,7 +84,7 @@ class NativeAdam(nn.Adam):
         beta2_power = self.beta2_power * self.beta2
         self.beta2_power = beta2_power
         done = self.update(lr, self.beta1, self.beta2, self.eps, beta1_power, beta2_power, self.decays,
-                           *self._parameters, *self.moment1, *self.moment2, *gradients)
+                           self.gradient_layers, *self._parameters, *self.moment1, *self.moment2, *gradients)
         # The update writes the weights where they lie, which MindSpore's ordering of side effects does not see:
         # the step counter's assignment waits for it, so whatever reads the weights after the optimizer (EMA,
         # the next step) comes after the update.
@@ -70,10 +98,11 @@ class NativeMomentum(nn.Momentum):
 
     def __init__(self, params: Sequence, learning_rate, momentum: float) -> None:
         super().__init__(params, learning_rate=learning_rate, momentum=momentum)
-        self.decays, self.update = _native_update(self, "MomentumUpdate")
+        self.decays, self.gradient_layers, self.update = _native_update(self, "MomentumUpdate")
 
     def construct(self, gradients):
-        done = self.update(self.get_lr(), self.momentum, self.decays, *self.params, *self.moments, *gradients)
+        done = self.update(self.get_lr(), self.momentum, self.decays, self.gradient_layers, *self.params,
+                           *self.moments, *gradients)
         self.assignadd(self.global_step, ops.depend(self.global_step_increase_tensor, done))  # as NativeAdam's
         return done
 
@@ -85,10 +114,13 @@ class NativeNesterovSGD(nn.SGD):
 
     def __init__(self, params: Sequence, learning_rate, momentum: float) -> None:
         super().__init__(params, learning_rate=learning_rate, momentum=momentum, nesterov=True)
-        self.decays, self.update = _native_update(self, "NesterovSgdUpdate")
+        self.decays, self.gradient_layers, self.update = _native_update(self, "NesterovSgdUpdate")
 
     def construct(self, gradients):
-        done = self.update(self.get_lr(), self.momentum, self.decays, *self._parameters, *self.accum, *self.stat,
-                           *gradients)
+        done = self.update(self.get_lr(), self.momentum, self.decays, self.gradient_layers, *self._parameters,
+                           *self.accum, *self.stat, *gradients)
         self.assignadd(self.global_step, ops.depend(self.global_step_increase_tensor, done))  # as NativeAdam's
         return done
+
+
+NATIVE_OPTIMIZERS = (NativeAdam, NativeMomentum, NativeNesterovSGD)

@@ -148,8 +148,9 @@ def _forward_op(stride: int, padding: int) -> ops.Custom:
 def _conv_batchnorm_op(stride: int, padding: int, defer_input_gradient: bool = False) -> ops.Custom:
     """Convolution then BatchNorm on the batch's statistics in one native call (training), with its gradient op
     as bprop: (x, weight, gamma, beta, moving mean, moving variance, (eps, momentum), layouts (x's, y's: PLAIN or
-    BLOCKED)) -> (y, the convolution's output in channel blocks, kept for the gradient, batch mean, batch variance
-    (biased), new moving mean, new moving variance). The gradient of x comes in x's layout.
+    BLOCKED; the weight gradient's layer: BlockedConv2d.gradient_layer)) -> (y, the convolution's output in channel
+    blocks, kept for the gradient, batch mean, batch variance (biased), new moving mean, new moving variance). The
+    gradient of x comes in x's layout.
 
     defer_input_gradient: the gradient of x is a native call of its own, so that the graph drops it where nothing
     uses it (a network's first convolution: training differentiates the weights, not the images)."""
@@ -282,6 +283,9 @@ class BlockedConv2d(nn.Conv2d):
         fusable = supported and not self.has_bias and self.out_channels % channel_block() == 0
         self.batchnorm_op = _conv_batchnorm_op(stride[0], padding) if fusable else None
         self.blocked_stride, self.blocked_padding = stride[0], padding  # what the native ops are told
+        # -1: the weight gradient comes in plain OIHW. A layer number (see gradients_in_kernel_layout): it may come in
+        # the convolution kernel's own layout, for a native optimizer update that reads it there.
+        self.gradient_layer = -1
 
     @staticmethod
     def channel_block_cells() -> Tuple[ChannelBlocks, ChannelBlocks]:
@@ -308,7 +312,7 @@ class BlockedConv2d(nn.Conv2d):
         if self.batchnorm_op is None or x.dtype != ms.float32 or not bn.training or bn.use_batch_statistics is False:
             return bn(self.construct(x))
         constants = ms.Tensor([bn.eps, bn.momentum], ms.float32)
-        layouts = ms.Tensor([x_layout, y_layout], ms.int64)
+        layouts = ms.Tensor([x_layout, y_layout, self.gradient_layer], ms.int64)
         y, _, _, _, moving_mean, moving_variance = self.batchnorm_op(x, self.weight, bn.gamma, bn.beta,
                                                                      bn.moving_mean, bn.moving_variance, constants,
                                                                      layouts)

@@ -23,7 +23,7 @@ from src.evaluation import EvalResult, average_batchnorm_statistics, evaluate
 from src.fused_inference import inference_network
 from src.lr_schedule import schedule_from_config
 from src.metrics_file import MetricsFile
-from src.native_optimizer import NativeAdam, NativeMomentum, NativeNesterovSGD
+from src.native_optimizer import NativeAdam, NativeMomentum, NativeNesterovSGD, gradients_in_kernel_layout
 from src.plotting import plot_training_curves
 from src.profiling import StepProfiler
 from src.resnet import build_resnet
@@ -79,11 +79,14 @@ def weights_digest(net: nn.Cell) -> str:
     return digest.hexdigest()
 
 
-def build_optimizer(config, params, learning_rates: np.ndarray, native: bool = False) -> nn.Optimizer:
+def build_optimizer(config, params, learning_rates: np.ndarray, native: bool = False,
+                    gradients_from: Optional[nn.Cell] = None) -> nn.Optimizer:
     """Adam or momentum SGD (Nesterov with config.nesterov) over params, with weight decay on every parameter as in
     torch.optim, or, with config.no_weight_decay_bn_bias, on every parameter but BatchNorm's and biases (1-D ones).
     native (the native library in use, float32 parameters on CPU): the update, decay included, runs as one native
-    pass (src/native_optimizer.py), with the results of the MindSpore optimizer it stands for.
+    pass (src/native_optimizer.py), with the results of the MindSpore optimizer it stands for; gradients_from (the
+    network of params, in a single-process run) then hands it its convolutions' weight gradients in their kernels'
+    layout (gradients_in_kernel_layout).
 
     The parameters go in as explicit groups: given a plain list, MindSpore's optimizers skip weight decay for
     BatchNorm gamma/beta, which the reference's torch.optim.Adam does not.
@@ -96,17 +99,23 @@ def build_optimizer(config, params, learning_rates: np.ndarray, native: bool = F
                  {"params": [p for p in params if len(p.shape) <= 1], "weight_decay": 0.0}]
     else:
         group = [{"params": params, "weight_decay": config.weight_decay}]
+    if not native:
+        if config.optimizer == "adam":
+            return nn.Adam(group, learning_rate=lr)
+        if config.nesterov:
+            # nn.SGD: MindSpore 2.10's nn.Momentum ignores use_nesterov on CPU (its updates equal plain momentum's);
+            # nn.SGD's match torch.optim.SGD(nesterov=True) (tests/test_optimizer.py).
+            return nn.SGD(group, learning_rate=lr, momentum=config.momentum, nesterov=True)
+        return nn.Momentum(group, learning_rate=lr, momentum=config.momentum)
     if config.optimizer == "adam":
-        return NativeAdam(group, learning_rate=lr) if native else nn.Adam(group, learning_rate=lr)
-    if config.nesterov:
-        # nn.SGD: MindSpore 2.10's nn.Momentum ignores use_nesterov on CPU (its updates equal plain momentum's);
-        # nn.SGD's match torch.optim.SGD(nesterov=True) (tests/test_optimizer.py).
-        if native:
-            return NativeNesterovSGD(group, learning_rate=lr, momentum=config.momentum)
-        return nn.SGD(group, learning_rate=lr, momentum=config.momentum, nesterov=True)
-    if native:
-        return NativeMomentum(group, learning_rate=lr, momentum=config.momentum)
-    return nn.Momentum(group, learning_rate=lr, momentum=config.momentum)
+        optimizer = NativeAdam(group, learning_rate=lr)
+    elif config.nesterov:
+        optimizer = NativeNesterovSGD(group, learning_rate=lr, momentum=config.momentum)
+    else:
+        optimizer = NativeMomentum(group, learning_rate=lr, momentum=config.momentum)
+    if gradients_from is not None:
+        gradients_in_kernel_layout(gradients_from, optimizer)
+    return optimizer
 
 
 def native_update_allowed(config, conv_implementation: str) -> bool:
@@ -147,8 +156,11 @@ class Trainer:
         self.ema_net: Optional[nn.Cell] = None  # a network holding the EMA's weights, to evaluate them
         self.ema_inference_net: Optional[nn.Cell] = None
         self.learning_rates = schedule_from_config(config, self.steps_per_epoch)
+        # Across processes the gradients are summed (all-reduce): they keep the plain layout there, which does not
+        # depend on each machine's CPU.
         self.optimizer = build_optimizer(config, self.net.trainable_params(), self.learning_rates,
-                                         native=native_update_allowed(config, env.conv_implementation))
+                                         native=native_update_allowed(config, env.conv_implementation),
+                                         gradients_from=self.net if env.group_size == 1 else None)
         self.amp = resolve_amp(config, env.device_target, logger)
         self.sink_mode = config.dataset_sink_mode
         self.step = build_train_step(self.net, self.optimizer, config, self.amp, sink=self.sink_mode, ema=self.ema)
