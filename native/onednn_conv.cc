@@ -289,6 +289,8 @@ class Runtime {
     const memory::desc x_desc = x_blocked ? memory::desc(shape.src, memory::data_type::f32, BlockedTag()) : x_plain;
     if (const OnePixelPlan *pixel = GetOnePixelPlan(shape)) {
       OnePixelForward(*pixel, x, weights, conv_out);
+    } else if (const GatherPlan *gather = GetGatherPlan(shape, x_desc)) {
+      GatherForward(*gather, x, weights, conv_out);
     } else {
       const Plan &plan = GetPlan(Direction::kForward, shape);
       Execute(plan, ToLayout(memory(x_desc, engine_, x), plan.first_desc, &buffers_[0]),
@@ -341,6 +343,8 @@ class Runtime {
     int block = 0;  // dw's layout: plain, or (gradient_layer >= 0) the kernel's ABcd{B}b{B}a where it is one
     if (const OnePixelPlan *pixel = GetOnePixelPlan(shape)) {
       OnePixelBackwardWeights(*pixel, d_conv_out.get_data_handle(), x, dw);
+    } else if (const GatherPlan *gather = GetGatherPlan(shape, x_desc)) {
+      GatherBackwardWeights(*gather, d_conv_out.get_data_handle(), x, dw);
     } else {
       // As Run computes it, but from d_conv_out, which is already blocked.
       const Plan &filter = GetPlan(Direction::kBackwardWeights, shape);
@@ -409,6 +413,10 @@ class Runtime {
     memory::desc x_plain, w_plain, y_plain;
     PlainDescs(Direction::kForward, shape, &x_plain, &w_plain, &y_plain);
     const memory::desc x_desc = x_blocked ? memory::desc(shape.src, memory::data_type::f32, BlockedTag()) : x_plain;
+    if (const GatherPlan *gather = GetGatherPlan(shape, x_desc)) {
+      GatherBackwardData(*gather, x_desc, d_conv_out.get_data_handle(), weights, dx);
+      return;
+    }
     const Plan &data = GetPlan(Direction::kBackwardData, shape);
     Execute(data, ToLayout(d_conv_out, data.first_desc, &buffers_[0]),
             ToLayout(memory(w_plain, engine_, weights), data.second_desc, &buffers_[1]), x_desc, dx);
@@ -417,16 +425,61 @@ class Runtime {
   Runtime()
       : executor_(Executor::Get()), engine_(executor_.engine), stream_(executor_.stream) {}
 
+  // A matmul and the layouts of its (source, weights, destination) it runs on. Where oneDNN would run a 2-D
+  // product on its GEMM, which ran layer4's (32 x K) x (K x 2048) products at 32x32 at about half the rate of its
+  // brgemm kernels with two threads, the product is split into column halves (or quarters) run as a batch: views
+  // of the same memory, which oneDNN runs on brgemm.
+  struct MatmulPlan {
+    dnnl::matmul primitive;
+    memory::desc src, weights, dst, scratchpad;
+    bool brgemm = false;
+
+    void Execute(dnnl::stream &stream, dnnl::engine &engine, void *source, void *weight_data, void *destination,
+                 const memory &scratch) const {
+      primitive.execute(stream, {{DNNL_ARG_SRC, memory(src, engine, source)},
+                                 {DNNL_ARG_WEIGHTS, memory(weights, engine, weight_data)},
+                                 {DNNL_ARG_DST, memory(dst, engine, destination)},
+                                 {DNNL_ARG_SCRATCHPAD, scratch}});
+    }
+  };
+
+  static bool Brgemm(const dnnl::matmul::primitive_desc &pd) { return std::strncmp(pd.impl_info_str(), "brg", 3) == 0; }
+
+  // The plan for src x weights -> dst (2-D, plain strides), or nullopt where oneDNN has only its reference matmul.
+  std::optional<MatmulPlan> MakeMatmul(const memory::desc &src, const memory::desc &weights, const memory::desc &dst) {
+    dnnl::primitive_attr attr;
+    attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
+    auto pd = dnnl::matmul::primitive_desc(engine_, src, weights, dst, attr);
+    if (std::strncmp(pd.impl_info_str(), "ref", 3) == 0) return std::nullopt;
+    MatmulPlan plan{dnnl::matmul(pd), src, weights, dst, pd.scratchpad_desc(), Brgemm(pd)};
+    if (plan.brgemm) return plan;
+    const memory::dims ws = weights.get_strides(), ds = dst.get_strides();
+    const int64_t m = src.get_dims()[0], k = src.get_dims()[1], columns = dst.get_dims()[1];
+    for (int64_t parts : {2, 4}) {
+      if (columns % parts != 0) continue;
+      const int64_t n = columns / parts;
+      memory::desc batched_src({1, m, k}, memory::data_type::f32, memory::dims{m * k, src.get_strides()[0],
+                                                                               src.get_strides()[1]});
+      memory::desc batched_weights({parts, k, n}, memory::data_type::f32, memory::dims{n * ws[1], ws[0], ws[1]});
+      memory::desc batched_dst({parts, m, n}, memory::data_type::f32, memory::dims{n * ds[1], ds[0], ds[1]});
+      auto split = dnnl::matmul::primitive_desc(engine_, batched_src, batched_weights, batched_dst, attr);
+      if (Brgemm(split)) {
+        return MatmulPlan{dnnl::matmul(split), batched_src, batched_weights, batched_dst, split.scratchpad_desc(),
+                          true};
+      }
+    }
+    return plan;
+  }
+
   // One-pixel convolutions: a 1x1 input and a 1x1 output (ResNet's layer4 at 32x32 inputs with the ImageNet stem).
   // Only the kernel's centre tap (padding, padding) meets the input, and at 1x1 the channel blocks are the plain
   // (N, C) layout, so the convolution is a matrix product of the (N, I) input with the (O, I) centre tap. oneDNN's
   // matmul runs it on the plain OIHW weights: the blocked convolution's three weight reorders a step (the largest
-  // weights of the network) and its kernels for tiny maps go. The matmuls' layouts are fixed here, not chosen.
+  // weights of the network) and its kernels for tiny maps go.
   struct OnePixelPlan {
-    dnnl::matmul forward, backward_data, backward_weights;
+    MatmulPlan forward, backward_data, backward_weights;
     memory::desc forward_weights, backward_data_weights;  // the centre tap as each reads it
-    memory::desc centre_io, centre_oi, x, y, dy_transposed, dw_centre;
-    memory::desc forward_scratchpad, backward_data_scratchpad, backward_weights_scratchpad;
+    memory::desc centre_io, centre_oi, dw_centre;
     int64_t tap = 0;  // offset of the centre tap in each (o, i) run of KH x KW weights
     bool kernel_1x1 = false;
   };
@@ -449,75 +502,161 @@ class Runtime {
     plan.kernel_1x1 = taps == 1;
     plan.centre_io = TapAsInOut(in, out, taps);
     plan.centre_oi = memory::desc({out, in}, f32, memory::dims{in * taps, taps});
-    plan.x = memory::desc({n, in}, f32, tag::ab);
-    plan.y = memory::desc({n, out}, f32, tag::ab);
-    plan.dy_transposed = memory::desc({out, n}, f32, memory::dims{1, out});
+    const memory::desc x({n, in}, f32, tag::ab), y({n, out}, f32, tag::ab);
+    const memory::desc dy_transposed({out, n}, f32, memory::dims{1, out});
     const memory::desc io({in, out}, f32, tag::ab), oi({out, in}, f32, tag::ab);
-    dnnl::primitive_attr attr;
-    attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
-    auto native = [](const char *impl) { return std::strncmp(impl, "ref", 3) != 0; };
     // Forward, y = x . centre^T: on the weights in place where oneDNN has a brgemm kernel for the transposed
     // read, else on a contiguous (I, O) copy (its GEMM on the transposed read measured 2-4x slower than the copy).
-    auto forward = dnnl::matmul::primitive_desc(engine_, plan.x, plan.centre_io, plan.y, attr);
+    auto forward = MakeMatmul(x, plan.centre_io, y);
     plan.forward_weights = plan.centre_io;
-    if (std::strncmp(forward.impl_info_str(), "brg", 3) != 0) {
-      forward = dnnl::matmul::primitive_desc(engine_, plan.x, io, plan.y, attr);
+    if (!forward || !forward->brgemm) {
+      forward = MakeMatmul(x, io, y);
       plan.forward_weights = io;
     }
     // Backward data, dx = dy . centre: a 1x1 kernel's (O, I) weights are contiguous, a larger one's centre is copied.
     plan.backward_data_weights = plan.kernel_1x1 ? plan.centre_oi : oi;
-    auto data = dnnl::matmul::primitive_desc(engine_, plan.y, plan.backward_data_weights, plan.x, attr);
+    auto data = MakeMatmul(y, plan.backward_data_weights, x);
     // Backward weights, dcentre = dy^T . x: into dw itself for a 1x1 kernel, else into a copy spread into zeroed dw.
     plan.dw_centre = plan.kernel_1x1 ? plan.centre_oi : oi;
-    auto filter = dnnl::matmul::primitive_desc(engine_, plan.dy_transposed, plan.x, plan.dw_centre, attr);
-    if (!native(forward.impl_info_str()) || !native(data.impl_info_str()) || !native(filter.impl_info_str())) {
+    auto filter = MakeMatmul(dy_transposed, x, plan.dw_centre);
+    if (!forward || !data || !filter) {
       pixel_plans_.emplace(key, std::nullopt);
       return nullptr;
     }
-    plan.forward = dnnl::matmul(forward), plan.backward_data = dnnl::matmul(data);
-    plan.backward_weights = dnnl::matmul(filter);
-    plan.forward_scratchpad = forward.scratchpad_desc(), plan.backward_data_scratchpad = data.scratchpad_desc();
-    plan.backward_weights_scratchpad = filter.scratchpad_desc();
+    plan.forward = *forward, plan.backward_data = *data, plan.backward_weights = *filter;
     return &*pixel_plans_.emplace(key, plan).first->second;
   }
 
   // The centre tap of OIHW `weights` in `wanted` (the in-place view or a contiguous copy in `buffer`).
-  memory CentreTap(const memory::desc &view, const memory::desc &wanted, int64_t tap, void *weights,
-                   Buffer *buffer) {
+  void *CentreTap(const memory::desc &view, const memory::desc &wanted, int64_t tap, void *weights, Buffer *buffer) {
     memory centre(view, engine_, static_cast<float *>(weights) + tap);
-    return ToLayout(centre, wanted, buffer);
+    return ToLayout(centre, wanted, buffer).get_data_handle();
   }
 
   void OnePixelForward(const OnePixelPlan &plan, void *x, void *weights, void *y) {
-    memory centre = CentreTap(plan.centre_io, plan.forward_weights, plan.tap, weights, &buffers_[1]);
-    plan.forward.execute(stream_, {{DNNL_ARG_SRC, memory(plan.x, engine_, x)},
-                                   {DNNL_ARG_WEIGHTS, centre},
-                                   {DNNL_ARG_DST, memory(plan.y, engine_, y)},
-                                   {DNNL_ARG_SCRATCHPAD, Scratchpad(plan.forward_scratchpad)}});
+    void *centre = CentreTap(plan.centre_io, plan.forward_weights, plan.tap, weights, &buffers_[1]);
+    plan.forward.Execute(stream_, engine_, x, centre, y, Scratchpad(plan.forward.scratchpad));
   }
 
   void OnePixelBackwardData(const OnePixelPlan &plan, void *dy, void *weights, void *dx) {
-    memory centre = CentreTap(plan.centre_oi, plan.backward_data_weights, plan.tap, weights, &buffers_[1]);
-    plan.backward_data.execute(stream_, {{DNNL_ARG_SRC, memory(plan.y, engine_, dy)},
-                                         {DNNL_ARG_WEIGHTS, centre},
-                                         {DNNL_ARG_DST, memory(plan.x, engine_, dx)},
-                                         {DNNL_ARG_SCRATCHPAD, Scratchpad(plan.backward_data_scratchpad)}});
+    void *centre = CentreTap(plan.centre_oi, plan.backward_data_weights, plan.tap, weights, &buffers_[1]);
+    plan.backward_data.Execute(stream_, engine_, dy, centre, dx, Scratchpad(plan.backward_data.scratchpad));
   }
 
   void OnePixelBackwardWeights(const OnePixelPlan &plan, void *dy, void *x, void *dw) {
-    memory dw_centre = plan.kernel_1x1 ? memory(plan.dw_centre, engine_, dw)
-                                       : memory(plan.dw_centre, engine_, buffers_[2].Get(plan.dw_centre.get_size()));
-    plan.backward_weights.execute(stream_, {{DNNL_ARG_SRC, memory(plan.dy_transposed, engine_, dy)},
-                                            {DNNL_ARG_WEIGHTS, memory(plan.x, engine_, x)},
-                                            {DNNL_ARG_DST, dw_centre},
-                                            {DNNL_ARG_SCRATCHPAD, Scratchpad(plan.backward_weights_scratchpad)}});
+    void *dw_centre = plan.kernel_1x1 ? dw : buffers_[2].Get(plan.dw_centre.get_size());
+    plan.backward_weights.Execute(stream_, engine_, dy, x, dw_centre, Scratchpad(plan.backward_weights.scratchpad));
     if (!plan.kernel_1x1) {  // every other tap only ever met padding: its gradient is zero
       stream_.wait();
       const size_t bytes = static_cast<size_t>(plan.centre_oi.get_dims()[0]) * plan.centre_oi.get_strides()[0] * 4;
       std::memset(dw, 0, bytes);
-      memory into(plan.centre_oi, engine_, static_cast<float *>(dw) + plan.tap);
-      dnnl::reorder(dw_centre, into).execute(stream_, dw_centre, into);
+      Copy(plan.dw_centre, dw_centre, plan.centre_oi, static_cast<float *>(dw) + plan.tap);
     }
+  }
+
+  // One-output-pixel convolutions of a larger map: the stride-2 convolutions into layer4 at 32x32 inputs with the
+  // ImageNet stem (a 2x2 map into 1x1). The output pixel meets a window of kernel taps, each at one input pixel, so
+  // the convolution is a matrix product of the gathered (N, I x taps) input with the (O, I x taps) weights of those
+  // taps: oneDNN's convolution kernels ran these shapes at a fraction of its matmul's rate. Columns are ordered
+  // (channel, tap row, tap column), as in OIHW and NCHW: where the window is the whole kernel (a 1x1 kernel) the
+  // weights and their gradient are the matrix itself, and where it is the whole of a plain input, so is the input.
+  struct GatherPlan {
+    MatmulPlan forward, backward_data, backward_weights;
+    memory::desc x_window, w_window;  // views of x (in its layout) and of the OIHW weights: the pixels and taps met
+    memory::desc x_columns, w_columns;  // the same numbers as (N, I, th, tw) / (O, I, th, tw) in matrix order
+    memory::desc columns, matrix;
+    bool copy_x = true, copy_weights = true;  // false: the window is the matrix (no gather, no spreading back)
+    size_t weights_bytes = 0;
+  };
+
+  // The plan for shape with x in x_desc's layout, or nullptr where the output is not one pixel, the input is (the
+  // one-pixel plan), or oneDNN has only its reference matmul for it.
+  const GatherPlan *GetGatherPlan(const Shape &shape, const memory::desc &x_desc) {
+    const int64_t n = shape.src[0], in = shape.src[1], h = shape.src[2], w = shape.src[3];
+    const int64_t out = shape.weights[0], kh = shape.weights[2], kw = shape.weights[3], pad = shape.padding[0];
+    if (shape.dst[2] != 1 || shape.dst[3] != 1 || (h == 1 && w == 1) || shape.padding[1] != pad) return nullptr;
+    // Output (0, 0) reads input pixel (tap row - pad, tap column - pad).
+    const int64_t row0 = std::max<int64_t>(0, pad), row1 = std::min(kh, h + pad);
+    const int64_t col0 = std::max<int64_t>(0, pad), col1 = std::min(kw, w + pad);
+    if (row1 <= row0 || col1 <= col0) return nullptr;
+    auto key = std::make_tuple(shape.src, shape.weights, pad, IsBlocked(x_desc));
+    auto found = gather_plans_.find(key);
+    if (found != gather_plans_.end()) return found->second ? &*found->second : nullptr;
+    const int64_t th = row1 - row0, tw = col1 - col0, k = in * th * tw;
+    const auto f32 = memory::data_type::f32;
+    GatherPlan plan;
+    plan.x_window = x_desc.submemory_desc({n, in, th, tw}, {0, 0, row0 - pad, col0 - pad});
+    plan.w_window = memory::desc(shape.weights, f32, tag::oihw).submemory_desc({out, in, th, tw}, {0, 0, row0, col0});
+    plan.x_columns = memory::desc({n, in, th, tw}, f32, tag::abcd);
+    plan.w_columns = memory::desc({out, in, th, tw}, f32, tag::abcd);
+    plan.copy_x = plan.x_window != plan.x_columns;
+    plan.copy_weights = plan.w_window != plan.w_columns;
+    plan.weights_bytes = memory::desc(shape.weights, f32, tag::oihw).get_size();
+    plan.columns = memory::desc({n, k}, f32, tag::ab);
+    plan.matrix = memory::desc({out, k}, f32, tag::ab);
+    const memory::desc matrix_transposed({k, out}, f32, memory::dims{1, k}), y({n, out}, f32, tag::ab);
+    const memory::desc dy_transposed({out, n}, f32, memory::dims{1, out});
+    auto forward = MakeMatmul(plan.columns, matrix_transposed, y);
+    auto data = MakeMatmul(y, plan.matrix, plan.columns);
+    auto filter = MakeMatmul(dy_transposed, plan.columns, plan.matrix);
+    if (!forward || !data || !filter) {
+      gather_plans_.emplace(key, std::nullopt);
+      return nullptr;
+    }
+    plan.forward = *forward, plan.backward_data = *data, plan.backward_weights = *filter;
+    return &*gather_plans_.emplace(key, plan).first->second;
+  }
+
+  static bool IsBlocked(const memory::desc &desc) { return desc.get_inner_nblks() > 0; }
+
+  // `from` (laid out as from_desc) copied into `to` (as to_desc).
+  void Copy(const memory::desc &from_desc, void *from, const memory::desc &to_desc, void *to) {
+    memory source(from_desc, engine_, from), target(to_desc, engine_, to);
+    dnnl::reorder(source, target).execute(stream_, source, target);
+  }
+
+  // The gathered input (N, I x taps), in `buffer` where it is not x itself.
+  void *GatherInput(const GatherPlan &plan, void *x, Buffer *buffer) {
+    if (!plan.copy_x) return x;
+    void *columns = buffer->Get(plan.columns.get_size());
+    Copy(plan.x_window, x, plan.x_columns, columns);
+    return columns;
+  }
+
+  // The window's weights as the (O, I x taps) matrix, in buffers_[1] where they are not the weights themselves.
+  void *GatherWeights(const GatherPlan &plan, void *weights) {
+    if (!plan.copy_weights) return weights;
+    void *matrix = buffers_[1].Get(plan.matrix.get_size());
+    Copy(plan.w_window, weights, plan.w_columns, matrix);
+    return matrix;
+  }
+
+  void GatherForward(const GatherPlan &plan, void *x, void *weights, void *y) {
+    void *columns = GatherInput(plan, x, &buffers_[0]);
+    void *matrix = GatherWeights(plan, weights);
+    plan.forward.Execute(stream_, engine_, columns, matrix, y, Scratchpad(plan.forward.scratchpad));
+  }
+
+  // dx in x_desc's layout: the columns' gradient spread back over the window, zero elsewhere.
+  void GatherBackwardData(const GatherPlan &plan, const memory::desc &x_desc, void *dy, void *weights, void *dx) {
+    void *matrix = GatherWeights(plan, weights);
+    void *columns = plan.copy_x ? buffers_[0].Get(plan.columns.get_size()) : dx;
+    plan.backward_data.Execute(stream_, engine_, dy, matrix, columns, Scratchpad(plan.backward_data.scratchpad));
+    if (!plan.copy_x) return;
+    stream_.wait();
+    std::memset(dx, 0, x_desc.get_size());
+    Copy(plan.x_columns, columns, plan.x_window, dx);
+  }
+
+  // dw (plain OIHW): the matrix's gradient spread back over the window of taps, zero elsewhere.
+  void GatherBackwardWeights(const GatherPlan &plan, void *dy, void *x, void *dw) {
+    void *columns = GatherInput(plan, x, &buffers_[0]);
+    void *matrix = plan.copy_weights ? buffers_[2].Get(plan.matrix.get_size()) : dw;
+    plan.backward_weights.Execute(stream_, engine_, dy, columns, matrix, Scratchpad(plan.backward_weights.scratchpad));
+    if (!plan.copy_weights) return;
+    stream_.wait();
+    std::memset(dw, 0, plan.weights_bytes);
+    Copy(plan.w_columns, matrix, plan.w_window, dw);
   }
 
   static void PlainDescs(Direction direction, const Shape &shape, memory::desc *first, memory::desc *second,
@@ -613,6 +752,7 @@ class Runtime {
   std::map<std::tuple<int, memory::dims, memory::dims, memory::dims, memory::dims, memory::dims>, Plan> plans_;
   std::map<std::pair<memory::dims, float>, BatchNormPlan> norms_;
   std::map<std::tuple<memory::dims, memory::dims, int64_t>, std::optional<OnePixelPlan>> pixel_plans_;
+  std::map<std::tuple<memory::dims, memory::dims, int64_t, bool>, std::optional<GatherPlan>> gather_plans_;
 };
 
 enum class PostOp { kNone, kRelu, kAddRelu };

@@ -168,9 +168,9 @@ def test_weight_gradients_in_the_kernels_layout_train_to_the_same_weights(isa, o
 
     kernel_layout, plain = train("1"), train("0")
     assert kernel_layout[:2] == (0, 20)  # ResNet-18's 20 convolutions (the stem's gradient, 3 channels, stays plain)
-    # Without it every step reorders most of them (measured 16 a step with 16-channel blocks, 12 with 8): not the
-    # stem's, nor those of layer4's one-pixel convolutions (1x1 maps at 32x32: matrix products on plain weights).
-    assert plain[1] == 0 and plain[0] >= 3 * 12 and plain[0] % 3 == 0
+    # Without it every step reorders most of them (measured 14 a step with 16-channel blocks, 11 with 8): not the
+    # stem's, nor those of layer4's convolutions into one-pixel maps (matrix products at 32x32, on plain weights).
+    assert plain[1] == 0 and plain[0] >= 3 * 10 and plain[0] % 3 == 0
     assert kernel_layout[2] == plain[2]
 
 
