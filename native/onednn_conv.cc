@@ -258,6 +258,25 @@ int KernelLayoutBlock(const memory::desc &kernel, const memory::dims &weights) {
   return 0;
 }
 
+// A 2-D matrix (rows, columns) with plain strides as a batch of `parts` column blocks (parts, rows, columns /
+// parts): a view of the same memory. oneDNN runs some matmuls with many columns on its GEMM, which ran layer4's
+// (32 x K) x (K x 2048) products at 32x32 at about half the rate of its brgemm kernels with two threads; as a
+// batch of column blocks (the source a batch of one, broadcast) it runs them on brgemm.
+memory::desc ColumnBlocks(const memory::desc &matrix, int64_t parts) {
+  const memory::dims dims = matrix.get_dims(), strides = matrix.get_strides();
+  const int64_t n = dims[1] / parts;
+  return memory::desc({parts, dims[0], n}, memory::data_type::f32, memory::dims{n * strides[1], strides[0],
+                                                                              strides[1]});
+}
+
+memory::desc BatchOfOne(const memory::desc &matrix) {
+  const memory::dims dims = matrix.get_dims(), strides = matrix.get_strides();
+  return memory::desc({1, dims[0], dims[1]}, memory::data_type::f32, memory::dims{dims[0] * dims[1], strides[0],
+                                                                                strides[1]});
+}
+
+bool Brgemm(const dnnl::matmul::primitive_desc &pd) { return std::strncmp(pd.impl_info_str(), "brg", 3) == 0; }
+
 // Primitive and layouts for one convolution shape and direction, created once.
 struct Plan {
   dnnl::primitive primitive;
@@ -425,10 +444,8 @@ class Runtime {
   Runtime()
       : executor_(Executor::Get()), engine_(executor_.engine), stream_(executor_.stream) {}
 
-  // A matmul and the layouts of its (source, weights, destination) it runs on. Where oneDNN would run a 2-D
-  // product on its GEMM, which ran layer4's (32 x K) x (K x 2048) products at 32x32 at about half the rate of its
-  // brgemm kernels with two threads, the product is split into column halves (or quarters) run as a batch: views
-  // of the same memory, which oneDNN runs on brgemm.
+  // A matmul and the layouts of its (source, weights, destination) it runs on: 2-D, or where that would run on
+  // oneDNN's GEMM, the same product as a batch of column blocks (ColumnBlocks).
   struct MatmulPlan {
     dnnl::matmul primitive;
     memory::desc src, weights, dst, scratchpad;
@@ -443,8 +460,6 @@ class Runtime {
     }
   };
 
-  static bool Brgemm(const dnnl::matmul::primitive_desc &pd) { return std::strncmp(pd.impl_info_str(), "brg", 3) == 0; }
-
   // The plan for src x weights -> dst (2-D, plain strides), or nullopt where oneDNN has only its reference matmul.
   std::optional<MatmulPlan> MakeMatmul(const memory::desc &src, const memory::desc &weights, const memory::desc &dst) {
     dnnl::primitive_attr attr;
@@ -452,20 +467,13 @@ class Runtime {
     auto pd = dnnl::matmul::primitive_desc(engine_, src, weights, dst, attr);
     if (std::strncmp(pd.impl_info_str(), "ref", 3) == 0) return std::nullopt;
     MatmulPlan plan{dnnl::matmul(pd), src, weights, dst, pd.scratchpad_desc(), Brgemm(pd)};
-    if (plan.brgemm) return plan;
-    const memory::dims ws = weights.get_strides(), ds = dst.get_strides();
-    const int64_t m = src.get_dims()[0], k = src.get_dims()[1], columns = dst.get_dims()[1];
     for (int64_t parts : {2, 4}) {
-      if (columns % parts != 0) continue;
-      const int64_t n = columns / parts;
-      memory::desc batched_src({1, m, k}, memory::data_type::f32, memory::dims{m * k, src.get_strides()[0],
-                                                                               src.get_strides()[1]});
-      memory::desc batched_weights({parts, k, n}, memory::data_type::f32, memory::dims{n * ws[1], ws[0], ws[1]});
-      memory::desc batched_dst({parts, m, n}, memory::data_type::f32, memory::dims{n * ds[1], ds[0], ds[1]});
-      auto split = dnnl::matmul::primitive_desc(engine_, batched_src, batched_weights, batched_dst, attr);
+      if (plan.brgemm || dst.get_dims()[1] % parts != 0) continue;
+      const memory::desc batch_src = BatchOfOne(src), batch_weights = ColumnBlocks(weights, parts);
+      const memory::desc batch_dst = ColumnBlocks(dst, parts);
+      auto split = dnnl::matmul::primitive_desc(engine_, batch_src, batch_weights, batch_dst, attr);
       if (Brgemm(split)) {
-        return MatmulPlan{dnnl::matmul(split), batched_src, batched_weights, batched_dst, split.scratchpad_desc(),
-                          true};
+        plan = {dnnl::matmul(split), batch_src, batch_weights, batch_dst, split.scratchpad_desc(), true};
       }
     }
     return plan;
@@ -806,9 +814,15 @@ struct InferencePlan {
   memory::desc src_desc, weights_desc, bias_desc, dst_desc, scratchpad_desc;
   std::map<int64_t, PackedWeights> packed;  // by layer
   // Where the kernel's weights come from: plain OIHW, or (a matrix product) the one tap of it that a one-pixel
-  // map meets, as an (in, out) matrix view `weights_offset` floats into the OIHW weights.
+  // map meets, as an (in, out) matrix view `weights_offset` floats into the OIHW weights, or the window of taps that
+  // one output pixel meets, as (in x taps, out).
   memory::desc source_weights_desc;
   int64_t weights_offset = 0;
+  // A matrix product for one output pixel of a larger map: the input pixels it meets, gathered from the input
+  // (gather_from, a view of it) into (batch, in x taps) columns (gather_to); where the taps are not the whole
+  // kernel, its window (window_from) is first copied into a contiguous (out, in x taps) matrix (window_to), which
+  // source_weights_desc then reads. Empty descs where not.
+  memory::desc gather_from, gather_to, window_from, window_to;
 };
 
 class InferenceRuntime {
@@ -824,9 +838,10 @@ class InferenceRuntime {
                    void *residual, void *dst) {
     auto lock = executor_.Begin();
     InferencePlan &plan = GetPlan(shape);
+    const bool windowed = !plan.window_from.is_zero();
     memory plain_weights(plan.source_weights_desc, engine_, static_cast<float *>(weights) + plan.weights_offset);
     memory kernel_weights = plain_weights;
-    if (plan.weights_desc != plain_weights.get_desc()) {
+    if (plan.weights_desc != plain_weights.get_desc() || windowed) {
       if (plan.packed.count(key.layer) == 0 && packed_bytes_ + plan.weights_desc.get_size() > kPackedWeightsLimit) {
         for (auto &entry : plans_) entry.second.packed.clear();
         packed_bytes_ = 0;
@@ -836,10 +851,22 @@ class InferenceRuntime {
       PackedWeights &packed = inserted.first->second;
       kernel_weights = memory(plan.weights_desc, engine_, packed.buffer->Get(plan.weights_desc.get_size()));
       if (packed.version != key.version || packed.source != weights) {
+        if (windowed) {
+          memory window(plan.window_from, engine_, weights), matrix(plan.window_to, engine_, window_.Get(
+                                                                       plan.window_to.get_size()));
+          dnnl::reorder(window, matrix).execute(stream_, window, matrix);
+          plain_weights = memory(plan.source_weights_desc, engine_, matrix.get_data_handle());
+        }
         dnnl::reorder(plain_weights, kernel_weights).execute(stream_, plain_weights, kernel_weights);
         packed.version = key.version;
         packed.source = weights;
       }
+    }
+    if (!plan.gather_from.is_zero()) {
+      memory from(plan.gather_from, engine_, src), columns(plan.gather_to, engine_, columns_.Get(
+                                                                plan.gather_to.get_size()));
+      dnnl::reorder(from, columns).execute(stream_, from, columns);
+      src = columns.get_data_handle();
     }
     std::unordered_map<int, memory> args = {
         {DNNL_ARG_SRC, memory(plan.src_desc, engine_, src)},
@@ -904,20 +931,32 @@ class InferenceRuntime {
     return plans_.emplace(key, std::move(plan)).first->second;
   }
 
-  // A layer whose input and output maps are one pixel each (layer4 at 32x32 with the ImageNet stem) is a
-  // matrix product: (batch, in) x (in, out) with the single kernel tap that pixel meets, bias and post-ops as
-  // the convolution's. Every layout of a one-pixel map is that (batch, channels) matrix. oneDNN's 1x1
-  // convolution kernels run such shapes at about half a matrix product's rate. None where the shape is
-  // otherwise, or where oneDNN has only its reference matmul for it.
+  // A layer whose output map is one pixel (layer4 at 32x32 with the ImageNet stem) is a matrix product:
+  // (batch, in x taps) x (in x taps, out) with the window of kernel taps that pixel meets, bias and post-ops as the
+  // convolution's. Every layout of a one-pixel map is that (batch, channels) matrix. Where the input is one pixel
+  // too, the window is one tap and the input is the matrix; from a larger input (the stride-2 layers into layer4)
+  // the pixels met are gathered first. oneDNN's convolution kernels run such shapes at about half a matrix
+  // product's rate. None where the shape is otherwise, or where oneDNN has only its reference matmul for it.
   std::optional<InferencePlan> MatrixProductPlan(const InferenceShape &shape) {
     const memory::dims &w = shape.weights;
-    const bool one_pixel = shape.src[2] == 1 && shape.src[3] == 1 && shape.dst[2] == 1 && shape.dst[3] == 1;
-    if (!one_pixel || shape.padding[0] >= w[2] || shape.padding[1] >= w[3]) return std::nullopt;
-    const memory::dim batch = shape.src[0], in = w[1], out = w[0], taps = w[2] * w[3];
-    memory::desc src({batch, in}, memory::data_type::f32, tag::ab);
-    memory::desc weights({in, out}, memory::data_type::f32, tag::any);
-    memory::desc bias({1, out}, memory::data_type::f32, tag::ab);
-    memory::desc dst({batch, out}, memory::data_type::f32, tag::ab);
+    const int64_t h = shape.src[2], wd = shape.src[3], kh = w[2], kw = w[3], pad = shape.padding[0];
+    if (shape.dst[2] != 1 || shape.dst[3] != 1 || shape.padding[1] != pad) return std::nullopt;
+    // Output (0, 0) reads input pixel (tap row - pad, tap column - pad).
+    const int64_t row0 = std::max<int64_t>(0, pad), row1 = std::min(kh, h + pad);
+    const int64_t col0 = std::max<int64_t>(0, pad), col1 = std::min(kw, wd + pad);
+    if (row1 <= row0 || col1 <= col0) return std::nullopt;
+    const bool one_pixel = h == 1 && wd == 1;
+    const memory::dim batch = shape.src[0], in = w[1], out = w[0], th = row1 - row0, tw = col1 - col0;
+    const memory::dim k = in * th * tw;
+    const auto f32 = memory::data_type::f32;
+    memory::desc src({batch, k}, f32, tag::ab);
+    memory::desc weights({k, out}, f32, tag::any);
+    memory::desc bias({1, out}, f32, tag::ab);
+    memory::desc dst({batch, out}, f32, tag::ab);
+    // The weights as the kernel reads them: the one tap a one-pixel input meets, at (padding, padding), or the
+    // window's (in x taps, out) matrix, columns ordered (channel, tap row, tap column) as OIHW orders taps.
+    const memory::desc source = one_pixel ? TapAsInOut(in, out, kh * kw)
+                                          : memory::desc({k, out}, f32, memory::dims{1, k});
     dnnl::matmul::primitive_desc pd;
     try {
       pd = dnnl::matmul::primitive_desc(engine_, src, weights, bias, dst, InferenceAttr(shape.post, dst));
@@ -925,16 +964,24 @@ class InferenceRuntime {
       return std::nullopt;
     }
     if (std::strncmp(pd.impl_info_str(), "ref", 3) == 0) return std::nullopt;
-    // The tap the pixel meets is the one at (padding, padding).
-    const int64_t offset = shape.padding[0] * w[3] + shape.padding[1];
-    return InferencePlan{dnnl::matmul(pd), src, pd.weights_desc(), bias, dst, pd.scratchpad_desc(), {},
-                         TapAsInOut(in, out, taps), offset};
+    InferencePlan plan{dnnl::matmul(pd), src, pd.weights_desc(), bias, dst, pd.scratchpad_desc(), {}, source,
+                       one_pixel ? pad * kw + pad : 0};
+    if (one_pixel) return plan;
+    const memory::desc x(shape.src, f32, LayoutTag(shape.src_layout));
+    plan.gather_from = x.submemory_desc({batch, in, th, tw}, {0, 0, row0 - pad, col0 - pad});
+    plan.gather_to = memory::desc({batch, in, th, tw}, f32, tag::abcd);
+    if (th != kh || tw != kw) {
+      plan.window_from = memory::desc(w, f32, tag::oihw).submemory_desc({out, in, th, tw}, {0, 0, row0, col0});
+      plan.window_to = memory::desc({out, in, th, tw}, f32, tag::abcd);
+    }
+    return plan;
   }
 
   Executor &executor_;
   dnnl::engine &engine_;
   dnnl::stream &stream_;
   Buffer scratchpad_;
+  Buffer columns_, window_;  // gathered input pixels; a window of taps on its way to being packed
   size_t packed_bytes_ = 0;
   std::map<std::tuple<memory::dims, memory::dims, memory::dims, memory::dims, memory::dims, int, int, int>,
            InferencePlan>

@@ -1,6 +1,7 @@
 """The fused inference network (src/fused_inference.py): the ResNet's inference-mode output from one native call
 per layer, refreshed when the weights change, and what oneDNN really runs for it."""
 import os
+import re
 import subprocess
 import sys
 
@@ -136,22 +137,29 @@ print("SECOND PASS", flush=True)
 fused(images).asnumpy()
 """
 # ReLUs: after the stem, every convolution inside a block but the last, and every residual addition. Matrix
-# products: layer4's layers whose input and output maps are one pixel (ResNet-50 at 32x32: 7 of its 53 layers).
-@pytest.mark.parametrize("model_name, size, choice, isa, convolutions, products, additions, relus", [
-    ("resnet50", 32, "auto", None, 46, 7, 16, 49), ("resnet50", 32, "auto", "AVX2", 46, 7, 16, 49),
-    ("resnet18", 72, "nhwc", None, 20, 0, 8, 17)], ids=["resnet50-blocked", "resnet50-blocked-AVX2", "resnet18-nhwc"])
+# products: layer4's layers whose output map is one pixel (ResNet-50 at 32x32: 9 of its 53 layers), two of them
+# (the stride-2 ones) from a 2x2 map whose pixels they gather first.
+@pytest.mark.parametrize("model_name, size, choice, isa, convolutions, products, gathers, additions, relus", [
+    ("resnet50", 32, "auto", None, 44, 9, 2, 16, 49), ("resnet50", 32, "auto", "AVX2", 44, 9, 2, 16, 49),
+    ("resnet18", 72, "nhwc", None, 20, 0, 0, 8, 17)],
+    ids=["resnet50-blocked", "resnet50-blocked-AVX2", "resnet18-nhwc"])
 @pytest.mark.slow
 def test_oneDNN_log_one_call_per_layer_and_no_reorders_after_the_first_pass(model_name, size, choice, isa,
-                                                                             convolutions, products, additions, relus):
+                                                                             convolutions, products, gathers,
+                                                                             additions, relus):
     """oneDNN's own log: one convolution a layer with BatchNorm folded (bias), ReLU and the residual additions as
     post-ops, none through GEMM or reference kernels, on the chosen layout (channel blocks of 16 with AVX-512,
     of 8 under an AVX2 cap; the stem reads the NCHW images there), and a matrix product with the same bias and
-    post-ops (not oneDNN's reference one) where a layer's maps are one pixel; the second pass reorders nothing."""
+    post-ops (not oneDNN's reference one) where a layer's output map is one pixel; the second pass reorders no
+    weights, only the input pixels that a one-pixel output gathers from a larger map."""
     layout = "acdb" if choice == "nhwc" else f"aBcd{native_channel_block(isa)}b"  # oneDNN's names for NHWC, blocks
     executed = onednn_exec_log(["-c", VERBOSE_SCRIPT, model_name, str(size), choice], isa, marker="SECOND PASS")
     kinds = [fields[5] for fields in executed]
     assert kinds.count("convolution") == convolutions and kinds.count("pooling") == 1
-    assert "reorder" not in kinds
+    reorders = [fields for fields in executed if fields[5] == "reorder"]
+    assert len(reorders) == gathers
+    for fields in reorders:  # (batch 2, channels, rows, columns): pixels of a 2x2 input, not weights
+        assert re.fullmatch(r"2x\d+x[12]x[12]", fields[-2]) and f"src:f32::blocked:{layout}:" in fields[8], fields
     assert "eltwise" not in kinds and "binary" not in kinds and "batch_normalization" not in kinds
     layers = [fields for fields in executed if fields[5] == "convolution"]
     # The layers' matrix products carry the folded BatchNorm's bias; the classifier's (MindSpore's Dense) does not.
