@@ -334,12 +334,12 @@ class Runtime {
 
   // The gradients of ConvBnForward's y: dx (in x's layout), dw (plain OIHW, or with gradient_layer >= 0 the
   // kernel's layout where GradientLayouts allows it, recorded there), dgamma, dbeta, from dy (in y's layout)
-  // and the forward's conv_out, mean and variance. With dx null the input gradient is left to
-  // ConvBnBackwardData (run only where it is used), and d_conv_out_result receives what it needs: the
-  // convolution's output gradient, in channel blocks.
+  // and the forward's conv_out, mean and variance. d_conv_out_result receives the convolution's output gradient,
+  // in channel blocks; with dx null the input gradient is left to ConvBnBackwardData (run only where it is used),
+  // which reads it there.
   void ConvBnBackward(const Shape &shape, float eps, bool x_blocked, bool y_blocked, int64_t gradient_layer,
                       void *dy, void *conv_out, void *mean, void *variance, void *gamma, void *x, void *weights,
-                      void *dx, void *dw, void *dgamma, void *dbeta, void *d_conv_out_result = nullptr) {
+                      void *dx, void *dw, void *dgamma, void *dbeta, void *d_conv_out_result) {
     auto lock = executor_.Begin();
     memory::desc x_plain, w_plain, y_plain;
     PlainDescs(Direction::kForward, shape, &x_plain, &w_plain, &y_plain);
@@ -348,7 +348,7 @@ class Runtime {
     const BatchNormPlan &norm = GetBatchNormPlan(shape.dst, eps);
     memory dy_blocked = y_blocked ? memory(blocked, engine_, dy)
                                   : ToLayout(memory(y_plain, engine_, dy), blocked, &buffers_[4]);
-    memory d_conv_out(blocked, engine_, d_conv_out_result ? d_conv_out_result : buffers_[5].Get(blocked.get_size()));
+    memory d_conv_out(blocked, engine_, d_conv_out_result);
     norm.backward.execute(stream_, {{DNNL_ARG_SRC, memory(blocked, engine_, conv_out)},
                                     {DNNL_ARG_DIFF_DST, dy_blocked},
                                     {DNNL_ARG_MEAN, Channels(shape, mean)},
@@ -756,7 +756,7 @@ class Runtime {
   Executor &executor_;
   dnnl::engine &engine_;
   dnnl::stream &stream_;
-  Buffer buffers_[6];  // first input, second input, result, scratchpad; ConvBn's blocked tensors
+  Buffer buffers_[5];  // first input, second input, result, scratchpad; ConvBn's blocked y or dy
   std::map<std::tuple<int, memory::dims, memory::dims, memory::dims, memory::dims, memory::dims>, Plan> plans_;
   std::map<std::pair<memory::dims, float>, BatchNormPlan> norms_;
   std::map<std::tuple<memory::dims, memory::dims, int64_t>, std::optional<OnePixelPlan>> pixel_plans_;
@@ -1126,14 +1126,15 @@ int LaunchConvBnForward(int stride, int padding, int nparam, void **params, int 
 }
 
 // params: dy, conv_out, mean, variance, gamma, (eps, momentum), layouts (as the forward's), x, weights, then the
-// outputs dx, dw, dgamma, dbeta.
+// outputs dx, dw, dgamma, dbeta and the convolution's output gradient (dy's shape, channel blocks: working memory
+// that MindSpore allocates and reuses once the call is done, where a buffer of the library's would stay).
 int LaunchConvBnBackward(bool defer_input, int stride, int padding, int nparam, void **params, int *ndims,
                          int64_t **shapes, const char **dtypes) {
   const char *what = "onednn_conv conv+batchnorm gradient";
-  const int wanted_ndims[] = {4, 4, 1, 1, 1, 1, 1, 4, 4, 4, 4, 1, 1};
+  const int wanted_ndims[] = {4, 4, 1, 1, 1, 1, 1, 4, 4, 4, 4, 1, 1, 4};
   const char *const wanted_dtypes[] = {"float32", "float32", "float32", "float32", "float32", "float32", "int64",
-                                       "float32", "float32", "float32", "float32", "float32", "float32"};
-  if (!CheckTensors(what, nparam, 13, ndims, dtypes, wanted_ndims, wanted_dtypes)) return 1;
+                                       "float32", "float32", "float32", "float32", "float32", "float32", "float32"};
+  if (!CheckTensors(what, nparam, defer_input ? 13 : 14, ndims, dtypes, wanted_ndims, wanted_dtypes)) return 1;
   Shape shape{Dims(shapes[7]), Dims(shapes[8]), Dims(shapes[0]), {stride, stride}, {padding, padding}};
   bool x_blocked, y_blocked;
   int64_t gradient_layer;
@@ -1145,7 +1146,7 @@ int LaunchConvBnBackward(bool defer_input, int stride, int padding, int nparam, 
   return Guarded(what, [&] {
     Runtime::Get().ConvBnBackward(shape, eps, x_blocked, y_blocked, gradient_layer, params[0], params[1], params[2],
                                   params[3], params[4], params[7], params[8], defer_input ? nullptr : params[9],
-                                  params[10], params[11], params[12], defer_input ? params[9] : nullptr);
+                                  params[10], params[11], params[12], defer_input ? params[9] : params[13]);
   });
 }
 

@@ -174,22 +174,27 @@ def _four_of_first_dtype(first, *others):
     return first, first, first, first
 
 
+def _five_of_first_dtype(first, *others):
+    return first, first, first, first, first
+
+
 def _first_dtype(first, *others):
     return first
 
 
 def _conv_batchnorm_bprop(library: str, suffix: str) -> Callable:
-    """ConvBnForward's bprop: dx, dw, dgamma and dbeta from one native call."""
+    """ConvBnForward's bprop: dx, dw, dgamma and dbeta from one native call. Its fifth output is the call's working
+    memory (the convolution's output gradient): MindSpore's, so that it is reused once the call is done."""
     def backward_shape(dy, conv_out, mean, variance, gamma, constants, layouts, x, weight):
-        return x, weight, gamma, gamma
+        return x, weight, gamma, gamma, dy
 
-    backward = ops.Custom(f"{library}:ConvBnBackward{suffix}", backward_shape, _four_of_first_dtype,
+    backward = ops.Custom(f"{library}:ConvBnBackward{suffix}", backward_shape, _five_of_first_dtype,
                           func_type="aot")
 
     def bprop(x, weight, gamma, beta, moving_mean, moving_variance, constants, layouts, out, dout):
         # Only y carries a gradient: conv_out, mean and variance are for this bprop, the moving statistics are
         # assigned.
-        dx, dw, dgamma, dbeta = backward(dout[0], out[1], out[2], out[3], gamma, constants, layouts, x, weight)
+        dx, dw, dgamma, dbeta, _ = backward(dout[0], out[1], out[2], out[3], gamma, constants, layouts, x, weight)
         return (dx, dw, dgamma, dbeta, ops.zeros_like(moving_mean), ops.zeros_like(moving_variance),
                 ops.zeros_like(constants), ops.zeros_like(layouts))
 
