@@ -234,7 +234,8 @@ def build_train_step(net: nn.Cell, optimizer: nn.Optimizer, config, amp: AmpSett
     (the update skipped on overflow; the trainer then stops) or DynamicLossScaleManager's update cell.
     """
     loss_fn = nn.CrossEntropyLoss(label_smoothing=config.label_smoothing)
-    with _rewrite_folder():
+    # float32 (O0) leaves the network as it is: no folder, none left behind by a run that is killed.
+    with _rewrite_folder() if amp.level != "O0" else contextlib.nullcontext():
         # loss_scale_manager=None: the level's default manager (dynamic for O2) is refused on CPU.
         train_step = ms.amp.build_train_network(net, optimizer, loss_fn, level=amp.level, loss_scale_manager=None)
     if amp.loss_scale is None and config.grad_clip_norm > 0:

@@ -103,6 +103,21 @@ def test_a_float32_checkpoint_resumes_with_loss_scaling_from_the_configured_scal
     assert float(read_ckpt_entries(tmp_path / "resnet18-last.ckpt")["scale_sense"].asnumpy()) == 512.0
 
 
+@pytest.mark.parametrize("level, folders", [("O0", 0), ("O1", 1)])
+def test_only_mixed_precision_makes_a_folder_for_mindspores_rewrite(level, folders, monkeypatch):
+    """The private folder for MindSpore's rewritten network is made where a level rewrites it, not for float32:
+    a run killed before its exit handlers ran would leave it in the temporary folder."""
+    import mindspore as ms
+    from src import train_step
+    from src.resnet import build_resnet
+    made = []
+    monkeypatch.setattr(train_step, "_REWRITE_HOME", made)
+    net = build_resnet("resnet18", 10, conv_implementation="mindspore")
+    level_setting = train_step.AmpSetting(level, None if level == "O0" else 1024.0)
+    train_step.build_train_step(net, ms.nn.SGD(net.trainable_params(), 0.01), load_config([]), level_setting)
+    assert len(made) == folders
+
+
 def test_blocked_convolutions_refuse_float16_and_auto_falls_back():
     with pytest.raises(UserError) as excinfo:
         resolve_conv_implementation("onednn_blocked", "CPU", "O2")
