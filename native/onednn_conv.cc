@@ -277,6 +277,35 @@ memory::desc BatchOfOne(const memory::desc &matrix) {
 
 bool Brgemm(const dnnl::matmul::primitive_desc &pd) { return std::strncmp(pd.impl_info_str(), "brg", 3) == 0; }
 
+// What the one output pixel of a convolution meets (output (0, 0) reads input pixel (tap row - pad, tap column -
+// pad)): a window of rows x cols kernel taps, each at one input pixel. As views of x (in its layout, x_view) and of
+// the OIHW weights (w_view), and as the same numbers in dense (N, I, rows, cols) / (O, I, rows, cols) tensors: the
+// columns of a matrix product ordered (channel, tap row, tap column), as NCHW and OIHW order them. Where a view
+// equals its dense tensor (the whole of a plain input, the whole kernel), the matrix is the tensor itself.
+struct PixelWindow {
+  int64_t rows, cols;
+  memory::desc x_view, x_dense, w_view, w_dense;
+};
+
+// The window for x (logical NCHW dims), OIHW weights, the output's dims and symmetric padding; nullopt where the
+// output is not one pixel or no tap meets the input.
+std::optional<PixelWindow> OutputPixelWindow(const memory::desc &x, const memory::dims &weights,
+                                             const memory::dims &dst, const memory::dims &padding) {
+  const memory::dims src = x.get_dims();
+  const int64_t kh = weights[2], kw = weights[3], pad = padding[0];
+  if (dst[2] != 1 || dst[3] != 1 || padding[1] != pad) return std::nullopt;
+  const int64_t row0 = std::max<int64_t>(0, pad), row1 = std::min(kh, src[2] + pad);
+  const int64_t col0 = std::max<int64_t>(0, pad), col1 = std::min(kw, src[3] + pad);
+  if (row1 <= row0 || col1 <= col0) return std::nullopt;
+  const int64_t rows = row1 - row0, cols = col1 - col0;
+  const auto f32 = memory::data_type::f32;
+  return PixelWindow{rows, cols, x.submemory_desc({src[0], src[1], rows, cols}, {0, 0, row0 - pad, col0 - pad}),
+                     memory::desc({src[0], src[1], rows, cols}, f32, tag::abcd),
+                     memory::desc(weights, f32, tag::oihw).submemory_desc({weights[0], weights[1], rows, cols},
+                                                                          {0, 0, row0, col0}),
+                     memory::desc({weights[0], weights[1], rows, cols}, f32, tag::abcd)};
+}
+
 // Primitive and layouts for one convolution shape and direction, created once.
 struct Plan {
   dnnl::primitive primitive;
@@ -570,8 +599,7 @@ class Runtime {
   // weights and their gradient are the matrix itself, and where it is the whole of a plain input, so is the input.
   struct GatherPlan {
     MatmulPlan forward, backward_data, backward_weights;
-    memory::desc x_window, w_window;  // views of x (in its layout) and of the OIHW weights: the pixels and taps met
-    memory::desc x_columns, w_columns;  // the same numbers as (N, I, th, tw) / (O, I, th, tw) in matrix order
+    PixelWindow window;
     memory::desc columns, matrix;
     bool copy_x = true, copy_weights = true;  // false: the window is the matrix (no gather, no spreading back)
     size_t weights_bytes = 0;
@@ -580,25 +608,21 @@ class Runtime {
   // The plan for shape with x in x_desc's layout, or nullptr where the output is not one pixel, the input is (the
   // one-pixel plan), or oneDNN has only its reference matmul for it.
   const GatherPlan *GetGatherPlan(const Shape &shape, const memory::desc &x_desc) {
-    const int64_t n = shape.src[0], in = shape.src[1], h = shape.src[2], w = shape.src[3];
-    const int64_t out = shape.weights[0], kh = shape.weights[2], kw = shape.weights[3], pad = shape.padding[0];
-    if (shape.dst[2] != 1 || shape.dst[3] != 1 || (h == 1 && w == 1) || shape.padding[1] != pad) return nullptr;
-    // Output (0, 0) reads input pixel (tap row - pad, tap column - pad).
-    const int64_t row0 = std::max<int64_t>(0, pad), row1 = std::min(kh, h + pad);
-    const int64_t col0 = std::max<int64_t>(0, pad), col1 = std::min(kw, w + pad);
-    if (row1 <= row0 || col1 <= col0) return nullptr;
-    auto key = std::make_tuple(shape.src, shape.weights, pad, IsBlocked(x_desc));
+    if (shape.dst[2] != 1 || shape.dst[3] != 1 || (shape.src[2] == 1 && shape.src[3] == 1)) return nullptr;
+    auto key = std::make_tuple(shape.src, shape.weights, shape.padding, IsBlocked(x_desc));
     auto found = gather_plans_.find(key);
     if (found != gather_plans_.end()) return found->second ? &*found->second : nullptr;
-    const int64_t th = row1 - row0, tw = col1 - col0, k = in * th * tw;
+    const auto window = OutputPixelWindow(x_desc, shape.weights, shape.dst, shape.padding);
+    if (!window) {
+      gather_plans_.emplace(key, std::nullopt);
+      return nullptr;
+    }
+    const int64_t n = shape.src[0], out = shape.weights[0], k = shape.src[1] * window->rows * window->cols;
     const auto f32 = memory::data_type::f32;
     GatherPlan plan;
-    plan.x_window = x_desc.submemory_desc({n, in, th, tw}, {0, 0, row0 - pad, col0 - pad});
-    plan.w_window = memory::desc(shape.weights, f32, tag::oihw).submemory_desc({out, in, th, tw}, {0, 0, row0, col0});
-    plan.x_columns = memory::desc({n, in, th, tw}, f32, tag::abcd);
-    plan.w_columns = memory::desc({out, in, th, tw}, f32, tag::abcd);
-    plan.copy_x = plan.x_window != plan.x_columns;
-    plan.copy_weights = plan.w_window != plan.w_columns;
+    plan.window = *window;
+    plan.copy_x = window->x_view != window->x_dense;
+    plan.copy_weights = window->w_view != window->w_dense;
     plan.weights_bytes = memory::desc(shape.weights, f32, tag::oihw).get_size();
     plan.columns = memory::desc({n, k}, f32, tag::ab);
     plan.matrix = memory::desc({out, k}, f32, tag::ab);
@@ -627,7 +651,7 @@ class Runtime {
   void *GatherInput(const GatherPlan &plan, void *x, Buffer *buffer) {
     if (!plan.copy_x) return x;
     void *columns = buffer->Get(plan.columns.get_size());
-    Copy(plan.x_window, x, plan.x_columns, columns);
+    Copy(plan.window.x_view, x, plan.window.x_dense, columns);
     return columns;
   }
 
@@ -635,7 +659,7 @@ class Runtime {
   void *GatherWeights(const GatherPlan &plan, void *weights) {
     if (!plan.copy_weights) return weights;
     void *matrix = buffers_[1].Get(plan.matrix.get_size());
-    Copy(plan.w_window, weights, plan.w_columns, matrix);
+    Copy(plan.window.w_view, weights, plan.window.w_dense, matrix);
     return matrix;
   }
 
@@ -653,7 +677,7 @@ class Runtime {
     if (!plan.copy_x) return;
     stream_.wait();
     std::memset(dx, 0, x_desc.get_size());
-    Copy(plan.x_columns, columns, plan.x_window, dx);
+    Copy(plan.window.x_dense, columns, plan.window.x_view, dx);
   }
 
   // dw (plain OIHW): the matrix's gradient spread back over the window of taps, zero elsewhere.
@@ -664,7 +688,7 @@ class Runtime {
     if (!plan.copy_weights) return;
     stream_.wait();
     std::memset(dw, 0, plan.weights_bytes);
-    Copy(plan.w_columns, matrix, plan.w_window, dw);
+    Copy(plan.window.w_dense, matrix, plan.window.w_view, dw);
   }
 
   static void PlainDescs(Direction direction, const Shape &shape, memory::desc *first, memory::desc *second,
@@ -760,7 +784,7 @@ class Runtime {
   std::map<std::tuple<int, memory::dims, memory::dims, memory::dims, memory::dims, memory::dims>, Plan> plans_;
   std::map<std::pair<memory::dims, float>, BatchNormPlan> norms_;
   std::map<std::tuple<memory::dims, memory::dims, int64_t>, std::optional<OnePixelPlan>> pixel_plans_;
-  std::map<std::tuple<memory::dims, memory::dims, int64_t, bool>, std::optional<GatherPlan>> gather_plans_;
+  std::map<std::tuple<memory::dims, memory::dims, memory::dims, bool>, std::optional<GatherPlan>> gather_plans_;
 };
 
 enum class PostOp { kNone, kRelu, kAddRelu };
@@ -938,24 +962,20 @@ class InferenceRuntime {
   // the pixels met are gathered first. oneDNN's convolution kernels run such shapes at about half a matrix
   // product's rate. None where the shape is otherwise, or where oneDNN has only its reference matmul for it.
   std::optional<InferencePlan> MatrixProductPlan(const InferenceShape &shape) {
-    const memory::dims &w = shape.weights;
-    const int64_t h = shape.src[2], wd = shape.src[3], kh = w[2], kw = w[3], pad = shape.padding[0];
-    if (shape.dst[2] != 1 || shape.dst[3] != 1 || shape.padding[1] != pad) return std::nullopt;
-    // Output (0, 0) reads input pixel (tap row - pad, tap column - pad).
-    const int64_t row0 = std::max<int64_t>(0, pad), row1 = std::min(kh, h + pad);
-    const int64_t col0 = std::max<int64_t>(0, pad), col1 = std::min(kw, wd + pad);
-    if (row1 <= row0 || col1 <= col0) return std::nullopt;
-    const bool one_pixel = h == 1 && wd == 1;
-    const memory::dim batch = shape.src[0], in = w[1], out = w[0], th = row1 - row0, tw = col1 - col0;
-    const memory::dim k = in * th * tw;
     const auto f32 = memory::data_type::f32;
+    const memory::desc x(shape.src, f32, LayoutTag(shape.src_layout));
+    const auto window = OutputPixelWindow(x, shape.weights, shape.dst, shape.padding);
+    if (!window) return std::nullopt;
+    const memory::dims &w = shape.weights;
+    const bool one_pixel = shape.src[2] == 1 && shape.src[3] == 1;
+    const memory::dim batch = shape.src[0], in = w[1], out = w[0], k = in * window->rows * window->cols;
     memory::desc src({batch, k}, f32, tag::ab);
     memory::desc weights({k, out}, f32, tag::any);
     memory::desc bias({1, out}, f32, tag::ab);
     memory::desc dst({batch, out}, f32, tag::ab);
     // The weights as the kernel reads them: the one tap a one-pixel input meets, at (padding, padding), or the
-    // window's (in x taps, out) matrix, columns ordered (channel, tap row, tap column) as OIHW orders taps.
-    const memory::desc source = one_pixel ? TapAsInOut(in, out, kh * kw)
+    // window's (in x taps, out) matrix.
+    const memory::desc source = one_pixel ? TapAsInOut(in, out, w[2] * w[3])
                                           : memory::desc({k, out}, f32, memory::dims{1, k});
     dnnl::matmul::primitive_desc pd;
     try {
@@ -964,16 +984,12 @@ class InferenceRuntime {
       return std::nullopt;
     }
     if (std::strncmp(pd.impl_info_str(), "ref", 3) == 0) return std::nullopt;
+    const int64_t pad = shape.padding[0];
     InferencePlan plan{dnnl::matmul(pd), src, pd.weights_desc(), bias, dst, pd.scratchpad_desc(), {}, source,
-                       one_pixel ? pad * kw + pad : 0};
+                       one_pixel ? pad * w[3] + pad : 0};
     if (one_pixel) return plan;
-    const memory::desc x(shape.src, f32, LayoutTag(shape.src_layout));
-    plan.gather_from = x.submemory_desc({batch, in, th, tw}, {0, 0, row0 - pad, col0 - pad});
-    plan.gather_to = memory::desc({batch, in, th, tw}, f32, tag::abcd);
-    if (th != kh || tw != kw) {
-      plan.window_from = memory::desc(w, f32, tag::oihw).submemory_desc({out, in, th, tw}, {0, 0, row0, col0});
-      plan.window_to = memory::desc({out, in, th, tw}, f32, tag::abcd);
-    }
+    plan.gather_from = window->x_view, plan.gather_to = window->x_dense;
+    if (window->w_view != window->w_dense) plan.window_from = window->w_view, plan.window_to = window->w_dense;
     return plan;
   }
 
@@ -1047,10 +1063,10 @@ int Launch(Direction direction, int stride, int padding, int nparam, void **para
   return Guarded("onednn_conv", [&] { Runtime::Get().Run(direction, shape, first, second, params[nparam - 1]); });
 }
 
-// (x blocked, y blocked) from a layouts tensor of `count` numbers (int64: x's, y's; 0 plain NCHW, 1 channel
-// blocks), checked against the tensors' channels; false (with a message) when it can't be used.
-// The layouts tensor of the training ops: x's and y's layout (0 plain, 1 channel blocks), then the layer number
-// under which the weight gradient may come in the kernel's layout (-1: plain; see GradientLayouts).
+// (x blocked, y blocked, the weight gradient's layer) from the training ops' layouts tensor of `count` numbers
+// (int64: x's and y's layout, 0 plain NCHW, 1 channel blocks; then the layer number under which the weight
+// gradient may come in the kernel's layout, -1 for plain: see GradientLayouts), checked against the tensors'
+// channels; false (with a message) when it can't be used.
 bool ReadTrainingLayouts(const char *what, const int64_t *layouts, int64_t count, const Shape &shape, bool *x_blocked,
                          bool *y_blocked, int64_t *gradient_layer) {
   if (count != 3) {
