@@ -120,9 +120,9 @@ def native_channel_block(isa: Optional[str]) -> int:
     return 16 if isa is None and cpu_has_avx512() else 8
 
 
-def onednn_exec_log(args: List[str], isa: Optional[str] = None, marker: str = "") -> List[List[str]]:
-    """oneDNN's exec lines, split into fields, from `python ARGS` (from the repository root) with ONEDNN_VERBOSE=1
-    and oneDNN capped at isa (None: no cap); with a marker, only the lines printed after it."""
+def run_with_onednn_log(args: List[str], isa: Optional[str] = None) -> str:
+    """The standard output of `python ARGS` (from the repository root, which must succeed) with ONEDNN_VERBOSE=1
+    and oneDNN capped at isa (None: no cap): the script's own lines and oneDNN's."""
     env = {key: value for key, value in script_env().items() if key != "ONEDNN_MAX_CPU_ISA"}
     env["ONEDNN_VERBOSE"] = "1"
     if isa:
@@ -130,7 +130,14 @@ def onednn_exec_log(args: List[str], isa: Optional[str] = None, marker: str = ""
     process = subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True,
                              timeout=300)
     assert process.returncode == 0, process.stderr[-3000:]
-    output = process.stdout.split(marker, 1)[1] if marker else process.stdout
+    return process.stdout
+
+
+def onednn_exec_log(args: List[str], isa: Optional[str] = None, marker: str = "") -> List[List[str]]:
+    """oneDNN's exec lines, split into fields, from run_with_onednn_log(args, isa); with a marker, only the lines
+    printed after it."""
+    output = run_with_onednn_log(args, isa)
+    output = output.split(marker, 1)[1] if marker else output
     return [line.split(",") for line in output.splitlines() if line.startswith("onednn_verbose") and ",exec," in line]
 
 

@@ -2,15 +2,13 @@
 nn.Momentum and nn.SGD(nesterov=True) compute, keep their state under the same names, and are what training with
 the native library builds."""
 import re
-import subprocess
-import sys
 
 import numpy as np
 import mindspore as ms
 import pytest
 from mindspore import nn
 
-from conftest import REPO, script_env
+from conftest import run_with_onednn_log
 
 from src.model_utils.config import load_config
 from src.native_optimizer import NativeAdam, NativeMomentum, NativeNesterovSGD
@@ -156,14 +154,10 @@ def test_weight_gradients_in_the_kernels_layout_train_to_the_same_weights(isa, o
     three steps are bit for bit those of the plain-gradient run. Uncapped, an AVX-512 CPU takes 16-channel blocks
     (1x1 kernels transposed in registers); under the AVX2 cap, 8-channel blocks."""
     def train(kernel_layout: str):
-        env = {key: value for key, value in script_env().items() if key != "ONEDNN_MAX_CPU_ISA"}
-        env.update({"ONEDNN_VERBOSE": "1", **({"ONEDNN_MAX_CPU_ISA": isa} if isa else {})})
-        process = subprocess.run([sys.executable, "-c", KERNEL_LAYOUT_SCRIPT, kernel_layout, *options], cwd=REPO,
-                                 env=env, capture_output=True, text=True, timeout=300)
-        assert process.returncode == 0, process.stderr[-3000:]
+        output = run_with_onednn_log(["-c", KERNEL_LAYOUT_SCRIPT, kernel_layout, *options], isa)
         gradient_reorders = re.findall(r"exec,cpu,reorder,.*src:f32::blocked:ABcd(?:8b8a|16b16a)::f0 "
-                                       r"dst:f32::blocked:abcd:", process.stdout)
-        layers, _, weights = process.stdout.split("LAYERS", 1)[1].split()[:3]
+                                       r"dst:f32::blocked:abcd:", output)
+        layers, _, weights = output.split("LAYERS", 1)[1].split()[:3]
         return len(gradient_reorders), int(layers), weights
 
     kernel_layout, plain = train("1"), train("0")
