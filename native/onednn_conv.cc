@@ -423,6 +423,44 @@ class Runtime {
     stream_.wait();
   }
 
+  // ReLU then ResNet's stem max pool (training), on channel blocks: y = max(0, the window's maximum), which is
+  // the maximum over the ReLU's outputs, and needs ReLU on only a quarter of the numbers. oneDNN's pooling leaves
+  // each output's argmax in `workspace` (workspace_bytes long) for the gradient; padding never wins, as in torch.
+  void ReluMaxPoolForward(const memory::dims &src_dims, const memory::dims &dst_dims, int kernel, int stride,
+                          int padding, void *x, void *y, void *workspace, size_t workspace_bytes) {
+    auto lock = executor_.Begin();
+    const PoolPlan &plan = GetPoolPlan(src_dims, dst_dims, kernel, stride, padding);
+    if (plan.workspace.get_size() > workspace_bytes) {
+      throw std::runtime_error("the pooling workspace needs " + std::to_string(plan.workspace.get_size()) +
+                               " bytes, got " + std::to_string(workspace_bytes));
+    }
+    plan.forward.execute(stream_, {{DNNL_ARG_SRC, memory(plan.src, engine_, x)},
+                                   {DNNL_ARG_DST, memory(plan.dst, engine_, y)},
+                                   {DNNL_ARG_WORKSPACE, memory(plan.workspace, engine_, workspace)},
+                                   {DNNL_ARG_SCRATCHPAD, Scratchpad(plan.forward_scratchpad)}});
+    stream_.wait();
+    float *out = static_cast<float *>(y);
+    const int64_t count = static_cast<int64_t>(plan.dst.get_size() / sizeof(float));
+    for (int64_t i = 0; i < count; ++i) out[i] = out[i] < 0.0f ? 0.0f : out[i];  // keeps NaN, as torch's ReLU
+  }
+
+  // ReluMaxPoolForward's input gradient: dy where y > 0 (the ReLU's gradient; written to masked_dy, of y's size),
+  // sent by oneDNN to each output's argmax, into dx (channel blocks).
+  void ReluMaxPoolBackward(const memory::dims &src_dims, const memory::dims &dst_dims, int kernel, int stride,
+                           int padding, void *dy, void *y, void *workspace, void *dx, void *masked_dy) {
+    auto lock = executor_.Begin();
+    const PoolPlan &plan = GetPoolPlan(src_dims, dst_dims, kernel, stride, padding);
+    const float *gradient = static_cast<const float *>(dy), *out = static_cast<const float *>(y);
+    float *masked = static_cast<float *>(masked_dy);
+    const int64_t count = static_cast<int64_t>(plan.dst.get_size() / sizeof(float));
+    for (int64_t i = 0; i < count; ++i) masked[i] = out[i] > 0.0f ? gradient[i] : 0.0f;
+    plan.backward.execute(stream_, {{DNNL_ARG_DIFF_DST, memory(plan.dst, engine_, masked_dy)},
+                                    {DNNL_ARG_DIFF_SRC, memory(plan.src, engine_, dx)},
+                                    {DNNL_ARG_WORKSPACE, memory(plan.workspace, engine_, workspace)},
+                                    {DNNL_ARG_SCRATCHPAD, Scratchpad(plan.backward_scratchpad)}});
+    stream_.wait();
+  }
+
   // Plain-layout pointers in, plain-layout result out: first/second are the two inputs of the direction
   // (forward: src, weights; backward data: diff_dst, weights; backward weights: diff_dst, src).
   void Run(Direction direction, const Shape &shape, void *first, void *second, void *result) {
@@ -705,6 +743,35 @@ class Runtime {
     }
   }
 
+  struct PoolPlan {
+    dnnl::pooling_forward forward;
+    dnnl::pooling_backward backward;
+    memory::desc src, dst, workspace, forward_scratchpad, backward_scratchpad;
+  };
+
+  // Max pooling for training on channel blocks, with the workspace its gradient reads.
+  const PoolPlan &GetPoolPlan(const memory::dims &src_dims, const memory::dims &dst_dims, int kernel, int stride,
+                              int padding) {
+    auto key = std::make_tuple(src_dims, dst_dims, kernel, stride, padding);
+    auto found = pools_.find(key);
+    if (found != pools_.end()) return found->second;
+    const memory::desc src(src_dims, memory::data_type::f32, BlockedTag());
+    const memory::desc dst(dst_dims, memory::data_type::f32, BlockedTag());
+    memory::dims padding_r;  // the right/bottom padding that gives exactly dst_dims, as torch computes it
+    for (int i = 2; i < 4; ++i) padding_r.push_back((dst_dims[i] - 1) * stride + kernel - src_dims[i] - padding);
+    dnnl::primitive_attr attr;
+    attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
+    auto forward = dnnl::pooling_forward::primitive_desc(
+        engine_, dnnl::prop_kind::forward_training, dnnl::algorithm::pooling_max, src, dst, {stride, stride},
+        {kernel, kernel}, {0, 0}, {padding, padding}, padding_r, attr);
+    auto backward = dnnl::pooling_backward::primitive_desc(
+        engine_, dnnl::algorithm::pooling_max, src, dst, {stride, stride}, {kernel, kernel}, {0, 0},
+        {padding, padding}, padding_r, forward, attr);
+    PoolPlan plan{dnnl::pooling_forward(forward), dnnl::pooling_backward(backward), src, dst,
+                  forward.workspace_desc(), forward.scratchpad_desc(), backward.scratchpad_desc()};
+    return pools_.emplace(key, plan).first->second;
+  }
+
   struct BatchNormPlan {
     dnnl::batch_normalization_forward forward;
     dnnl::batch_normalization_backward backward;
@@ -783,6 +850,7 @@ class Runtime {
   Buffer buffers_[5];  // first input, second input, result, scratchpad; ConvBn's blocked y or dy
   std::map<std::tuple<int, memory::dims, memory::dims, memory::dims, memory::dims, memory::dims>, Plan> plans_;
   std::map<std::pair<memory::dims, float>, BatchNormPlan> norms_;
+  std::map<std::tuple<memory::dims, memory::dims, int, int, int>, PoolPlan> pools_;
   std::map<std::tuple<memory::dims, memory::dims, int64_t>, std::optional<OnePixelPlan>> pixel_plans_;
   std::map<std::tuple<memory::dims, memory::dims, memory::dims, bool>, std::optional<GatherPlan>> gather_plans_;
 };
@@ -1197,6 +1265,34 @@ int LaunchReorder(bool to_blocked, int nparam, void **params, int *ndims, int64_
     return 1;
   }
   return Guarded(what, [&] { Runtime::Get().Reorder(Dims(shapes[0]), to_blocked, params[0], params[1]); });
+}
+
+// The training stem's ReLU and max pool on channel blocks (see Runtime::ReluMaxPoolForward). params: x, y,
+// workspace (uint8, y's shape: each output's argmax).
+int LaunchReluMaxPoolForward(int kernel, int stride, int padding, int nparam, void **params, int *ndims,
+                             int64_t **shapes, const char **dtypes) {
+  const char *what = "onednn_conv ReLU and max pool";
+  const int wanted_ndims[] = {4, 4, 4};
+  const char *const wanted_dtypes[] = {"float32", "float32", "uint8"};
+  if (!CheckTensors(what, nparam, 3, ndims, dtypes, wanted_ndims, wanted_dtypes)) return 1;
+  const size_t workspace_bytes = static_cast<size_t>(shapes[2][0] * shapes[2][1] * shapes[2][2] * shapes[2][3]);
+  return Guarded(what, [&] {
+    Runtime::Get().ReluMaxPoolForward(Dims(shapes[0]), Dims(shapes[1]), kernel, stride, padding, params[0],
+                                      params[1], params[2], workspace_bytes);
+  });
+}
+
+// Its gradient. params: dy, y, workspace, x (for its shape), dx, masked dy (working memory, y's shape).
+int LaunchReluMaxPoolBackward(int kernel, int stride, int padding, int nparam, void **params, int *ndims,
+                              int64_t **shapes, const char **dtypes) {
+  const char *what = "onednn_conv ReLU and max pool gradient";
+  const int wanted_ndims[] = {4, 4, 4, 4, 4, 4};
+  const char *const wanted_dtypes[] = {"float32", "float32", "uint8", "float32", "float32", "float32"};
+  if (!CheckTensors(what, nparam, 6, ndims, dtypes, wanted_ndims, wanted_dtypes)) return 1;
+  return Guarded(what, [&] {
+    Runtime::Get().ReluMaxPoolBackward(Dims(shapes[3]), Dims(shapes[0]), kernel, stride, padding, params[0],
+                                       params[1], params[2], params[4], params[5]);
+  });
 }
 
 // A layout number from Python, checked; false (with a message) when it is none or when the tensor's channels
@@ -1643,6 +1739,16 @@ extern "C" int NesterovSgdUpdate(int nparam, void **params, int *ndims, int64_t 
 extern "C" int MaxPool_k3_s2_p1(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
                                     void *, void *) {
   return LaunchMaxPool(3, 2, 1, nparam, params, ndims, shapes, dtypes);
+}
+
+// Training: ReLU and ResNet's stem pool on channel blocks, and its gradient.
+extern "C" int ReluMaxPool_k3_s2_p1(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
+                                    void *, void *) {
+  return LaunchReluMaxPoolForward(3, 2, 1, nparam, params, ndims, shapes, dtypes);
+}
+extern "C" int ReluMaxPoolGrad_k3_s2_p1(int nparam, void **params, int *ndims, int64_t **shapes,
+                                        const char **dtypes, void *, void *) {
+  return LaunchReluMaxPoolBackward(3, 2, 1, nparam, params, ndims, shapes, dtypes);
 }
 
 // Sets the pool's thread count (before the first convolution; later calls change nothing). Returns the count

@@ -260,6 +260,46 @@ class ChannelBlocks(nn.Cell):
         return self.op(x)
 
 
+def _pooled_shape(x_shape):  # kernel 3, stride 2, padding 1
+    pooled = (x_shape[0], x_shape[1], (x_shape[2] - 1) // 2 + 1, (x_shape[3] - 1) // 2 + 1)
+    return pooled, pooled
+
+
+def _pooled_dtypes(x_dtype):
+    return x_dtype, ms.uint8
+
+
+@functools.lru_cache(maxsize=None)
+def _relu_max_pool_op() -> ops.Custom:
+    """ReLU then torch's MaxPool2d(3, 2, padding=1) on channel blocks, for training: x -> (y, each output's argmax,
+    which the gradient reads); its gradient op as bprop."""
+    library = usable_library()
+
+    def backward_shape(dy, y, workspace, x):
+        return x, dy  # dx, and the call's working memory (dy masked by the ReLU's gradient)
+
+    backward = ops.Custom(f"{library}:ReluMaxPoolGrad_k3_s2_p1", backward_shape,
+                          lambda dy, *others: (dy, dy), func_type="aot")
+
+    def bprop(x, out, dout):
+        return (backward(dout[0], out[0], out[1], x)[0],)
+
+    return ops.Custom(f"{library}:ReluMaxPool_k3_s2_p1", _pooled_shape, _pooled_dtypes, func_type="aot",
+                      bprop=bprop)
+
+
+class ReluMaxPool(nn.Cell):
+    """ReLU then torch's MaxPool2d(3, 2, padding=1) (ResNet's imagenet stem), on a float32 (N, C, H, W) activation in
+    channel blocks, in one native call; so is its gradient. C must be a multiple of channel_block()."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.op = _relu_max_pool_op()
+
+    def construct(self, x):
+        return self.op(x)[0]
+
+
 def _symmetric_padding(cell: nn.Conv2d) -> Optional[int]:
     if cell.pad_mode == "valid":
         return 0
@@ -297,6 +337,11 @@ class BlockedConv2d(nn.Conv2d):
         """Cells that reorder activations into channel blocks and back, for a training step that keeps them there
         between with_batchnorm calls (ResNet)."""
         return ChannelBlocks(True), ChannelBlocks(False)
+
+    @staticmethod
+    def relu_max_pool_cell() -> ReluMaxPool:
+        """A cell that runs ReLU and the imagenet stem's max pool on channel blocks (training)."""
+        return ReluMaxPool()
 
     def defer_input_gradient(self) -> None:
         """with_batchnorm computes the gradient of x in a native call of its own, which the graph drops where

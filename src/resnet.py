@@ -81,11 +81,12 @@ class SamePad(nn.Cell):
         return _zeros_around(_zeros_around(x, 2, top, bottom), 3, left, right)
 
 
-def conv_bn(conv: nn.Conv2d, bn: nn.BatchNorm2d, x, blocked: bool = False):
+def conv_bn(conv: nn.Conv2d, bn: nn.BatchNorm2d, x, blocked: bool = False, blocked_output: Optional[bool] = None):
     """bn(conv(x)); a convolution that can run its BatchNorm itself (BlockedConv2d.with_batchnorm) does. blocked: x
-    and the result are in channel blocks (a training step of a network whose convolutions all do)."""
+    and the result are in channel blocks (a training step of a network whose convolutions all do); blocked_output,
+    where given, says so for the result alone."""
     if hasattr(conv, "with_batchnorm"):
-        return conv.with_batchnorm(x, bn, int(blocked), int(blocked))
+        return conv.with_batchnorm(x, bn, int(blocked), int(blocked if blocked_output is None else blocked_output))
     return bn(conv(x))
 
 
@@ -227,6 +228,14 @@ class ResNet(nn.Cell):
             # Training keeps layer1..layer4's activations in channel blocks: one reorder in and one out per step,
             # instead of one around every convolution (SamePad's concatenations would need the plain layout).
             self.to_blocks, self.from_blocks = conv.channel_block_cells()
+        # Whether training's conv1 writes channel blocks, its ReLU and torch's max pool (stem_pool, one native call)
+        # running on them, so that layer1's input needs no reorder.
+        self.stem_blocked, self.stem_pool = False, None
+        if self.to_blocks is not None and self.conv1.runs_batchnorm_itself():
+            if stem == CIFAR:
+                self.stem_blocked = True
+            elif not variant.max_pool_same and hasattr(conv, "relu_max_pool_cell"):
+                self.stem_blocked, self.stem_pool = True, conv.relu_max_pool_cell()
 
     def _make_layer(self, block: Block, planes: int, blocks: int, stride: int, conv: ConvClass,
                     variant: Variant) -> nn.SequentialCell:
@@ -264,9 +273,15 @@ class ResNet(nn.Cell):
     def construct(self, x):
         if self.stem_pad is not None:
             x = self.stem_pad(x)
-        x = self.maxpool(self.relu(conv_bn(self.conv1, self.bn1, x)))
-        if self.to_blocks is not None and self.training and x.dtype == mstype.float32:
-            x = self.to_blocks(x)
+        blocked = self.to_blocks is not None and self.training and x.dtype == mstype.float32
+        if blocked and self.stem_blocked:
+            x = conv_bn(self.conv1, self.bn1, x, False, True)
+            x = self.relu(x) if self.stem_pool is None else self.stem_pool(x)
+        else:
+            x = self.maxpool(self.relu(conv_bn(self.conv1, self.bn1, x)))
+            if blocked:
+                x = self.to_blocks(x)
+        if blocked:
             for layer in (self.layer1, self.layer2, self.layer3, self.layer4):
                 for block in layer:  # each block told its input is blocked: SequentialCell passes one argument
                     x = block(x, True)
@@ -293,7 +308,8 @@ def build_resnet(model_name: str, num_classes: int = 1000, zero_init_residual: b
     semantics: "torch" (this project's), "mindcv" or "models_zoo": computes as that zoo's ResNet does (padding,
     BatchNorm eps; src/architectures.py variant_of), with the same parameter names. blocked_activations: with
     onednn_blocked, a training step keeps layer1..layer4's activations in channel blocks where it can (False:
-    reordered to the plain layout around every convolution, for comparisons; the results are the same)."""
+    reordered to the plain layout around every convolution, for comparisons; the results are the same up to
+    float32 rounding, where the blocked step runs other kernels: the stem's pool, layer3's 2x2 maps at 32x32)."""
     if model_name not in ARCHITECTURES:
         raise ValueError(f"unknown model_name {model_name!r}; choose one of {', '.join(ARCHITECTURES)}")
     if stem not in STEMS:

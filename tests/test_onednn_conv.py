@@ -5,6 +5,7 @@ import re
 import shutil
 import subprocess
 import sys
+from typing import List
 
 import numpy as np
 import pytest
@@ -138,10 +139,15 @@ def test_oneDNN_runs_training_batchnorm_on_the_convolutions_blocked_output(isa):
     for fields in convolutions:
         assert "ref" not in fields[6] and (block == 8 or "gemm" not in fields[6]), fields
         assert not re.search(r"oh1k.*ow1k", fields[-2]), fields  # one-pixel outputs are matrix products
-    one_pixel = [fields for fields in log  # the classifier's matmuls have its 10 classes as a dimension
+    # The stem's max pool: oneDNN's jit pooling on channel blocks, its argmax kept for the gradient.
+    pools = [fields for fields in log if fields[5] == "pooling"]
+    assert sorted(fields[7] for fields in pools) == ["backward_data", "forward_training"], pools
+    for fields in pools:
+        assert "ref" not in fields[6] and f"blocked:aBcd{block}b:" in fields[8], fields
+    products = [fields for fields in log  # the classifier's matmuls have its 10 classes as a dimension
                  if fields[5] == "matmul" and "10" not in re.split("[x:]", fields[-2])]
-    assert len(one_pixel) == 27, [fields[-2] for fields in one_pixel]
-    for fields in one_pixel:
+    assert len(products) == 27, [fields[-2] for fields in products]
+    for fields in products:
         # Plain (N, C) and (O, I) matrices, or views of them split into a batch of column blocks: no channel blocks.
         assert "ref" not in fields[6] and not re.search(r":blocked:\w*\d", fields[8]), fields
 
@@ -201,20 +207,35 @@ def test_build_without_a_compiler_installs_and_records_why(tmp_path):
     assert "no-such-compiler" in resolved.stdout
 
 
-def conv_batchnorm_results(conv: nn.Conv2d, bn: nn.BatchNorm2d, x: np.ndarray, upstream: np.ndarray):
+def conv_batchnorm_results(conv: nn.Conv2d, bn: nn.BatchNorm2d, x: np.ndarray, upstream: np.ndarray,
+                           blocked: bool = False):
     """y, the moving statistics after one training forward, and the gradients of (y * upstream).sum() for x,
-    the weights, gamma and beta: through conv_bn, as the ResNet blocks call it."""
+    the weights, gamma and beta: through conv_bn, as the ResNet blocks call it (blocked: on channel blocks, as a
+    training step of ResNet does, reordered from and to the plain layout around it)."""
+    from src.onednn_conv import ChannelBlocks
     bn.set_train(True)
     conv.set_train(True)
+    to_blocks, from_blocks = ChannelBlocks(True), ChannelBlocks(False)
+
+    def forward(images):
+        if blocked:
+            return from_blocks(conv_bn(conv, bn, to_blocks(images), True))
+        return conv_bn(conv, bn, images)
 
     def objective(images):
-        return (conv_bn(conv, bn, images) * ms.Tensor(upstream)).sum()
+        return (forward(images) * ms.Tensor(upstream)).sum()
     grad_fn = ms.grad(objective, grad_position=0, weights=[conv.weight, bn.gamma, bn.beta])
     dx, (dw, dgamma, dbeta) = grad_fn(ms.Tensor(x))
     start = [bn.moving_mean.asnumpy(), bn.moving_variance.asnumpy()]  # the gradient's forward moved them once
-    y = conv_bn(conv, bn, ms.Tensor(x)).asnumpy()
+    y = forward(ms.Tensor(x)).asnumpy()
     return [y, bn.moving_mean.asnumpy(), bn.moving_variance.asnumpy(), dx.asnumpy(), dw.asnumpy(), dgamma.asnumpy(),
             dbeta.asnumpy()], start
+
+
+# Cases of the fused convolution + BatchNorm on channel blocks. h 2 at stride 1 and padding 1: every output pixel
+# meets every input pixel (layer3 at 32x32), a matrix product of the whole input with weights expanded per pixel pair.
+BLOCKED_CASES = [(64, 64, 3, 1, 1, 8), (64, 128, 3, 1, 1, 2), (256, 256, 3, 1, 1, 2), (128, 128, 3, 2, 1, 4),
+                 (256, 1024, 1, 1, 0, 2)]
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[2]}x{c[2]}s{c[3]}p{c[4]}_{c[0]}to{c[1]}_h{c[5]}")
@@ -225,14 +246,26 @@ def test_convolution_with_batchnorm_equals_conv2d_then_batchnorm2d(case, mode, d
     """Training: the fused convolution + BatchNorm gives nn.Conv2d + nn.BatchNorm2d's output, moving statistics
     and gradients (input, weights, gamma, beta); also with the input gradient in a native call of its own (a
     network's first convolution), which runs when the input gradient is asked for, as here."""
+    check_convolution_with_batchnorm(case, mode, deferred, blocked=False)
+
+
+@pytest.mark.parametrize("case", BLOCKED_CASES, ids=lambda c: f"{c[2]}x{c[2]}s{c[3]}p{c[4]}_{c[0]}to{c[1]}_h{c[5]}")
+@pytest.mark.parametrize("mode", [pytest.param(ms.GRAPH_MODE, marks=pytest.mark.slow), ms.PYNATIVE_MODE],
+                         ids=["graph", "pynative"])
+def test_convolution_with_batchnorm_on_channel_blocks_equals_conv2d_then_batchnorm2d(case, mode):
+    """The same on channel blocks in and out, as ResNet's training step runs layer1..layer4."""
+    check_convolution_with_batchnorm(case, mode, False, blocked=True)
+
+
+def check_convolution_with_batchnorm(case, mode, deferred: bool, blocked: bool) -> None:
     ms.set_context(mode=mode)
     ci, co, k, s, p, h = case
-    plain, blocked = conv_pair(ci, co, k, s, p)
-    assert blocked.batchnorm_op is not None
+    plain, native = conv_pair(ci, co, k, s, p)
+    assert native.batchnorm_op is not None
     if deferred:
-        undeferred = blocked.batchnorm_op
-        blocked.defer_input_gradient()
-        assert blocked.batchnorm_op is not undeferred
+        undeferred = native.batchnorm_op
+        native.defer_input_gradient()
+        assert native.batchnorm_op is not undeferred
     rng = np.random.default_rng(4)
     norms = [nn.BatchNorm2d(co, eps=1e-5, momentum=0.9) for _ in range(2)]
     for name in ("gamma", "beta", "moving_mean", "moving_variance"):
@@ -243,7 +276,7 @@ def test_convolution_with_batchnorm_equals_conv2d_then_batchnorm2d(case, mode, d
     out_h = (h + 2 * p - k) // s + 1
     upstream = rng.standard_normal((4, co, out_h, out_h)).astype(np.float32)
     expected, expected_start = conv_batchnorm_results(plain, norms[0], x, upstream)
-    actual, actual_start = conv_batchnorm_results(blocked, norms[1], x, upstream)
+    actual, actual_start = conv_batchnorm_results(native, norms[1], x, upstream, blocked)
     for before, after in zip(expected_start, actual_start):
         assert rel_diff(after, before) < 1e-5
     names = ["y", "moving_mean", "moving_variance", "dx", "dw", "dgamma", "dbeta"]
@@ -251,6 +284,32 @@ def test_convolution_with_batchnorm_equals_conv2d_then_batchnorm2d(case, mode, d
         assert got.shape == want.shape, name
         # out_h 1 at batch 4: 4 values a channel, so BatchNorm's outputs lose more digits to cancellation.
         assert rel_diff(got, want) < 1e-4, name
+
+
+@pytest.mark.parametrize("size", [(8, 8), (7, 10), (56, 56)], ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("mode", [ms.GRAPH_MODE, ms.PYNATIVE_MODE], ids=["graph", "pynative"])
+def test_relu_max_pool_equals_torch(size, mode):
+    """The native ReLU + max pool of the training stem on channel blocks gives torch's ReLU then MaxPool2d(3, 2,
+    padding=1), forward and gradient, on inputs with many ties and zeros (small integers): the gradient goes to the
+    window's first maximum, as torch's, and none goes where the ReLU's output is zero."""
+    import torch
+    from src.onednn_conv import ChannelBlocks, ReluMaxPool
+    ms.set_context(mode=mode)
+    rng = np.random.default_rng(6)
+    x = rng.integers(-3, 4, (2, 16) + size).astype(np.float32)
+    pooled = ((size[0] - 1) // 2 + 1, (size[1] - 1) // 2 + 1)
+    upstream = rng.standard_normal((2, 16) + pooled).astype(np.float32)
+    to_blocks, pool, from_blocks = ChannelBlocks(True), ReluMaxPool(), ChannelBlocks(False)
+
+    def objective(images):
+        return (from_blocks(pool(to_blocks(images))) * ms.Tensor(upstream)).sum()
+    y = from_blocks(pool(to_blocks(ms.Tensor(x)))).asnumpy()
+    dx = ms.grad(objective)(ms.Tensor(x)).asnumpy()
+    images = torch.tensor(x, requires_grad=True)
+    expected = torch.nn.functional.max_pool2d(torch.relu(images), 3, 2, 1)
+    (expected * torch.tensor(upstream)).sum().backward()
+    np.testing.assert_array_equal(y, expected.detach().numpy())
+    np.testing.assert_allclose(dx, images.grad.numpy(), rtol=1e-6, atol=1e-6)
 
 
 def test_batchnorm_fusion_falls_back_where_it_cannot_run():
@@ -317,29 +376,41 @@ def test_training_keeps_activations_in_channel_blocks():
     """A training step of a network whose convolutions all run their BatchNorm natively reorders activations only
     into and out of layer1..layer4 (and around the stem), not around every convolution; weights are still
     reordered for each call."""
-    def activation_reorders(blocked: str) -> int:
+    def activation_reorders(blocked: str) -> List[str]:
         log = onednn_exec_log(["-c", BLOCKED_ACTIVATIONS_SCRIPT, blocked], marker="MEASURED-STEP")
         reorders = [fields for fields in log if fields[5] == "reorder"]
         assert reorders  # the weights still are
-        return sum(1 for fields in reorders if fields[-2].startswith("2x"))  # batch 2: activations, not weights
+        return [fields[-2] for fields in reorders if fields[-2].startswith("2x")]  # batch 2: activations
 
     kept, around_every_convolution = activation_reorders("1"), activation_reorders("0")
-    assert kept <= 20, kept  # measured 19 with 16-channel blocks: the stem's, layer1's in and layer4's out
-    assert around_every_convolution >= 200, around_every_convolution  # measured 269: 53 convolutions, 3 passes
+    # The stem writes channel blocks and pools them: none of its 64-channel activations is reordered.
+    assert not any(problem.startswith("2x64x") for problem in kept), kept
+    # With 16-channel blocks: 19 measured before the stem wrote channel blocks, 4 of them the stem's. With 8: 26
+    # measured (oneDNN picks other layouts for some of layer2's and layer3's convolutions there).
+    assert len(kept) <= (16 if channel_block() == 16 else 30), kept
+    assert len(around_every_convolution) >= 200, len(around_every_convolution)  # measured 269 (16-channel blocks)
 
 
 @pytest.mark.slow
-def test_blocked_activations_train_to_the_same_weights():
-    """Keeping the activations in channel blocks changes where numbers are in memory, not what is computed."""
+@pytest.mark.parametrize("stem", ["cifar", "imagenet"])
+def test_blocked_activations_train_to_the_same_weights(stem):
+    """With the CIFAR stem, keeping the activations in channel blocks changes where numbers are in memory, not what
+    is computed: the same weights after two steps. With the ImageNet stem the blocked step also runs other kernels
+    (the stem's ReLU and max pool in one call, layer3's 2x2 maps as matrix products), which round differently: the
+    same weights within float32 rounding after one step. (A second step turns such differences into percents here:
+    ResNet-18 at batch 4 has 16 and 4 numbers per BatchNorm channel in layer3 and layer4.)"""
+    steps, tolerance = (2, 1e-6) if stem == "cifar" else (1, 1e-4)
+
     def train(blocked: bool):
         ms.set_seed(1)
         from src.resnet import build_resnet
-        net = build_resnet("resnet18", 10, conv_implementation="onednn_blocked", blocked_activations=blocked)
+        net = build_resnet("resnet18", 10, conv_implementation="onednn_blocked", stem=stem,
+                           blocked_activations=blocked)
         loss = nn.WithLossCell(net, nn.SoftmaxCrossEntropyWithLogits(sparse=True, reduction="mean"))
         step = nn.TrainOneStepCell(loss, nn.Momentum(net.trainable_params(), 0.1, 0.9))
         step.set_train(True)
         rng = np.random.default_rng(0)
-        for _ in range(2):
+        for _ in range(steps):
             step(ms.Tensor(rng.standard_normal((4, 3, 32, 32)).astype(np.float32)),
                  ms.Tensor(rng.integers(0, 10, 4).astype(np.int32)))
         return {p.name: p.asnumpy() for p in net.get_parameters()}
@@ -347,4 +418,4 @@ def test_blocked_activations_train_to_the_same_weights():
     kept, plain = train(True), train(False)
     assert kept.keys() == plain.keys()
     worst = max(rel_diff(kept[name], plain[name]) for name in kept if np.abs(plain[name]).max() > 0)
-    assert worst <= 1e-6, worst
+    assert worst <= tolerance, worst
