@@ -339,6 +339,9 @@ class Runtime {
       OnePixelForward(*pixel, x, weights, conv_out);
     } else if (const GatherPlan *gather = GetGatherPlan(shape, x_desc)) {
       GatherForward(*gather, x, weights, conv_out);
+    } else if (const SmallMapPlan *small = GetSmallMapPlan(shape, x_desc)) {
+      small->forward.Execute(stream_, engine_, x, ExpandWeights(*small, weights), conv_out,
+                             Scratchpad(small->forward.scratchpad));
     } else {
       const Plan &plan = GetPlan(Direction::kForward, shape);
       Execute(plan, ToLayout(memory(x_desc, engine_, x), plan.first_desc, &buffers_[0]),
@@ -393,6 +396,12 @@ class Runtime {
       OnePixelBackwardWeights(*pixel, d_conv_out.get_data_handle(), x, dw);
     } else if (const GatherPlan *gather = GetGatherPlan(shape, x_desc)) {
       GatherBackwardWeights(*gather, d_conv_out.get_data_handle(), x, dw);
+    } else if (const SmallMapPlan *small = GetSmallMapPlan(shape, x_desc)) {
+      void *matrix = buffers_[2].Get(small->matrix.get_size());
+      small->backward_weights.Execute(stream_, engine_, d_conv_out.get_data_handle(), x, matrix,
+                                      Scratchpad(small->backward_weights.scratchpad));
+      stream_.wait();
+      FoldWeightsGradient(*small, matrix, dw);
     } else {
       // As Run computes it, but from d_conv_out, which is already blocked.
       const Plan &filter = GetPlan(Direction::kBackwardWeights, shape);
@@ -501,6 +510,11 @@ class Runtime {
     const memory::desc x_desc = x_blocked ? memory::desc(shape.src, memory::data_type::f32, BlockedTag()) : x_plain;
     if (const GatherPlan *gather = GetGatherPlan(shape, x_desc)) {
       GatherBackwardData(*gather, x_desc, d_conv_out.get_data_handle(), weights, dx);
+      return;
+    }
+    if (const SmallMapPlan *small = GetSmallMapPlan(shape, x_desc)) {
+      small->backward_data.Execute(stream_, engine_, d_conv_out.get_data_handle(), ExpandWeights(*small, weights),
+                                   dx, Scratchpad(small->backward_data.scratchpad));
       return;
     }
     const Plan &data = GetPlan(Direction::kBackwardData, shape);
@@ -675,6 +689,114 @@ class Runtime {
     }
     plan.forward = *forward, plan.backward_data = *data, plan.backward_weights = *filter;
     return &*gather_plans_.emplace(key, plan).first->second;
+  }
+
+  // Convolutions on maps so small that every output pixel meets every input pixel, at stride 1: 3x3 kernels with
+  // padding 1 on a 2x2 map (layer3 at 32x32 inputs with the ImageNet stem). Each sample's whole input (C x H x W
+  // numbers, in its channel blocks) times a (O x Ho x Wo, C x H x W) matrix that holds, for each (output pixel,
+  // input pixel) pair, the weights of the tap between them, is the whole output, its rows ordered as the output's
+  // channel blocks. The product skips the taps that meet only padding (20 of the 36 per output pixel on a 2x2
+  // map), and oneDNN's convolution kernels ran these shapes at a fraction of its matmul's rate (with AVX2 the weight
+  // gradient on its GEMM, through plain layouts). The matrix is built from the OIHW weights on each call.
+  struct SmallMapPlan {
+    MatmulPlan forward, backward_data, backward_weights;
+    memory::desc matrix;            // (O x Ho x Wo, C x H x W): rows in the output's order, columns in the input's
+    int64_t in, out, block, pixels_in, pixels_out, taps;
+    std::vector<int64_t> pair_taps;  // for output pixel q and input pixel p, the tap at [q * pixels_in + p]
+  };
+
+  // The plan for shape with x in channel blocks (x_desc), or nullptr where some pair of pixels meets no tap, the
+  // input is one pixel, or oneDNN has only its reference matmul for it.
+  const SmallMapPlan *GetSmallMapPlan(const Shape &shape, const memory::desc &x_desc) {
+    const memory::dims &src = shape.src, &dst = shape.dst, &w = shape.weights;
+    if (!IsBlocked(x_desc) || src[2] * src[3] == 1 || src[2] * src[3] > 4 || shape.strides[0] != 1 ||
+        shape.strides[1] != 1 || w[1] % ChannelBlock() != 0 || w[0] % ChannelBlock() != 0) {
+      return nullptr;
+    }
+    auto key = std::make_tuple(src, w, dst, shape.padding);
+    auto found = small_map_plans_.find(key);
+    if (found != small_map_plans_.end()) return found->second ? &*found->second : nullptr;
+    SmallMapPlan plan;
+    plan.in = w[1], plan.out = w[0], plan.block = ChannelBlock(), plan.taps = w[2] * w[3];
+    plan.pixels_in = src[2] * src[3], plan.pixels_out = dst[2] * dst[3];
+    bool dense = true;
+    for (int64_t q = 0; q < plan.pixels_out && dense; ++q) {
+      for (int64_t p = 0; p < plan.pixels_in; ++p) {
+        const int64_t kh = p / src[3] - q / dst[3] + shape.padding[0], kw = p % src[3] - q % dst[3] + shape.padding[1];
+        if (kh < 0 || kh >= w[2] || kw < 0 || kw >= w[3]) {
+          dense = false;
+          break;
+        }
+        plan.pair_taps.push_back(kh * w[3] + kw);
+      }
+    }
+    const int64_t n = src[0], k = plan.in * plan.pixels_in, rows = plan.out * plan.pixels_out;
+    const auto f32 = memory::data_type::f32;
+    std::optional<MatmulPlan> forward, data, filter;
+    if (dense) {
+      plan.matrix = memory::desc({rows, k}, f32, tag::ab);
+      const memory::desc x({n, k}, f32, tag::ab), y({n, rows}, f32, tag::ab);
+      forward = MakeMatmul(x, memory::desc({k, rows}, f32, memory::dims{1, k}), y);
+      data = MakeMatmul(y, plan.matrix, x);
+      filter = MakeMatmul(memory::desc({rows, n}, f32, memory::dims{1, rows}), x, plan.matrix);
+    }
+    if (!forward || !data || !filter) {
+      small_map_plans_.emplace(key, std::nullopt);
+      return nullptr;
+    }
+    plan.forward = *forward, plan.backward_data = *data, plan.backward_weights = *filter;
+    return &*small_map_plans_.emplace(key, plan).first->second;
+  }
+
+  // The plan's matrix from OIHW weights, in buffers_[1]. Each output channel's (I, taps) weights are first
+  // transposed to (taps, I) in cache, so that each pair's weights are contiguous runs of a channel block.
+  void *ExpandWeights(const SmallMapPlan &plan, void *weights) {
+    float *matrix = static_cast<float *>(buffers_[1].Get(plan.matrix.get_size()));
+    const float *w = static_cast<const float *>(weights);
+    const int64_t k = plan.in * plan.pixels_in, blocks = plan.in / plan.block;
+    executor_.pool.parallel_for(static_cast<int>(plan.out), [&](int o, int) {
+      std::vector<float> by_tap(static_cast<size_t>(plan.taps * plan.in));
+      const float *kernels = w + o * plan.in * plan.taps;
+      for (int64_t c = 0; c < plan.in; ++c) {
+        for (int64_t t = 0; t < plan.taps; ++t) by_tap[t * plan.in + c] = kernels[c * plan.taps + t];
+      }
+      const int64_t ob = o / plan.block, oi = o % plan.block;
+      for (int64_t q = 0; q < plan.pixels_out; ++q) {
+        float *row = matrix + ((ob * plan.pixels_out + q) * plan.block + oi) * k;
+        for (int64_t cb = 0; cb < blocks; ++cb) {
+          for (int64_t p = 0; p < plan.pixels_in; ++p) {
+            const float *from = by_tap.data() + plan.pair_taps[q * plan.pixels_in + p] * plan.in + cb * plan.block;
+            std::memcpy(row + (cb * plan.pixels_in + p) * plan.block, from, plan.block * sizeof(float));
+          }
+        }
+      }
+    });
+    return matrix;
+  }
+
+  // dw (plain OIHW) from the matrix's gradient: each tap's gradient is the sum over the pixel pairs it joins.
+  void FoldWeightsGradient(const SmallMapPlan &plan, const void *matrix_gradient, void *dw) {
+    const float *dm = static_cast<const float *>(matrix_gradient);
+    float *gradient = static_cast<float *>(dw);
+    const int64_t k = plan.in * plan.pixels_in, blocks = plan.in / plan.block;
+    executor_.pool.parallel_for(static_cast<int>(plan.out), [&](int o, int) {
+      std::vector<float> by_tap(static_cast<size_t>(plan.taps * plan.in), 0.0f);
+      const int64_t ob = o / plan.block, oi = o % plan.block;
+      for (int64_t q = 0; q < plan.pixels_out; ++q) {
+        const float *row = dm + ((ob * plan.pixels_out + q) * plan.block + oi) * k;
+        for (int64_t cb = 0; cb < blocks; ++cb) {
+          for (int64_t p = 0; p < plan.pixels_in; ++p) {
+            float *to = by_tap.data() + plan.pair_taps[q * plan.pixels_in + p] * plan.in + cb * plan.block;
+            const float *from = row + (cb * plan.pixels_in + p) * plan.block;
+            for (int64_t i = 0; i < plan.block; ++i) to[i] += from[i];
+          }
+        }
+      }
+      float *kernels = gradient + o * plan.in * plan.taps;
+      for (int64_t c = 0; c < plan.in; ++c) {
+        for (int64_t t = 0; t < plan.taps; ++t) kernels[c * plan.taps + t] = by_tap[t * plan.in + c];
+      }
+    });
   }
 
   static bool IsBlocked(const memory::desc &desc) { return desc.get_inner_nblks() > 0; }
@@ -853,6 +975,8 @@ class Runtime {
   std::map<std::tuple<memory::dims, memory::dims, int, int, int>, PoolPlan> pools_;
   std::map<std::tuple<memory::dims, memory::dims, int64_t>, std::optional<OnePixelPlan>> pixel_plans_;
   std::map<std::tuple<memory::dims, memory::dims, memory::dims, bool>, std::optional<GatherPlan>> gather_plans_;
+  std::map<std::tuple<memory::dims, memory::dims, memory::dims, memory::dims>, std::optional<SmallMapPlan>>
+      small_map_plans_;
 };
 
 enum class PostOp { kNone, kRelu, kAddRelu };
