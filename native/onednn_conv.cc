@@ -306,6 +306,89 @@ std::optional<PixelWindow> OutputPixelWindow(const memory::desc &x, const memory
                      memory::desc({weights[0], weights[1], rows, cols}, f32, tag::abcd)};
 }
 
+// Convolutions on maps so small that every output pixel meets every input pixel, at stride 1: 3x3 kernels with
+// padding 1 on a 2x2 map (layer3 at 32x32 inputs with the ImageNet stem). Each sample's whole input (C x H x W
+// numbers in its layout) times a (C x H x W, O x Ho x Wo) matrix that holds, for each (input pixel, output pixel)
+// pair, the weights of the tap between them, is the whole output in its layout. The product skips the taps that
+// meet only padding (20 of the 36 per output pixel on a 2x2 map); oneDNN's convolution kernels ran these shapes at
+// a fraction of its matmul's rate (with AVX2 the weight gradient on its GEMM, through plain layouts). A layout is
+// described by its channel run: channels come in runs of `run` per pixel (run = the channel block for channel
+// blocks, all channels for NHWC), so channel c of pixel p is number ((c / run) * pixels + p) * run + c % run.
+struct PixelPairs {
+  int64_t in, out, taps, pixels_in, pixels_out, x_run, y_run;
+  std::vector<int64_t> pair_taps;  // for output pixel q and input pixel p, the tap at [q * pixels_in + p]
+
+  int64_t columns() const { return in * pixels_in; }  // the matrix's rows are the output's numbers, columns x's
+  int64_t rows() const { return out * pixels_out; }
+};
+
+// The pairs for logical NCHW src / dst dims and OIHW weights, or nullopt where the stride is not 1, the input is one
+// pixel or more than four, some pair meets no tap, or a run does not divide its channels.
+std::optional<PixelPairs> AllPixelPairs(const memory::dims &src, const memory::dims &weights, const memory::dims &dst,
+                                        const memory::dims &strides, const memory::dims &padding, int64_t x_run,
+                                        int64_t y_run) {
+  if (src[2] * src[3] == 1 || src[2] * src[3] > 4 || strides[0] != 1 || strides[1] != 1 || weights[1] % x_run != 0 ||
+      weights[0] % y_run != 0) {
+    return std::nullopt;
+  }
+  PixelPairs pairs{weights[1], weights[0], weights[2] * weights[3], src[2] * src[3], dst[2] * dst[3], x_run, y_run,
+                   {}};
+  for (int64_t q = 0; q < pairs.pixels_out; ++q) {
+    for (int64_t p = 0; p < pairs.pixels_in; ++p) {
+      const int64_t kh = p / src[3] - q / dst[3] + padding[0], kw = p % src[3] - q % dst[3] + padding[1];
+      if (kh < 0 || kh >= weights[2] || kw < 0 || kw >= weights[3]) return std::nullopt;
+      pairs.pair_taps.push_back(kh * weights[3] + kw);
+    }
+  }
+  return pairs;
+}
+
+// The pairs' matrix from OIHW weights, stored transposed: (rows, columns) row-major. Each output channel's
+// (I, taps) weights are first transposed to (taps, I) in cache, so that each pair's weights are runs of channels.
+void ExpandPixelPairs(const PixelPairs &pairs, const float *weights, float *matrix, ThreadPool &pool) {
+  const int64_t k = pairs.columns(), runs = pairs.in / pairs.x_run;
+  pool.parallel_for(static_cast<int>(pairs.out), [&](int o, int) {
+    std::vector<float> by_tap(static_cast<size_t>(pairs.taps * pairs.in));
+    const float *kernels = weights + o * pairs.in * pairs.taps;
+    for (int64_t c = 0; c < pairs.in; ++c) {
+      for (int64_t t = 0; t < pairs.taps; ++t) by_tap[t * pairs.in + c] = kernels[c * pairs.taps + t];
+    }
+    for (int64_t q = 0; q < pairs.pixels_out; ++q) {
+      float *row = matrix + (((o / pairs.y_run) * pairs.pixels_out + q) * pairs.y_run + o % pairs.y_run) * k;
+      for (int64_t run = 0; run < runs; ++run) {
+        for (int64_t p = 0; p < pairs.pixels_in; ++p) {
+          const float *from = by_tap.data() + pairs.pair_taps[q * pairs.pixels_in + p] * pairs.in + run * pairs.x_run;
+          std::memcpy(row + (run * pairs.pixels_in + p) * pairs.x_run, from, pairs.x_run * sizeof(float));
+        }
+      }
+    }
+  });
+}
+
+// dw (plain OIHW) from the gradient of the (rows, columns) matrix: each tap's gradient is the sum over the pairs
+// it joins.
+void FoldPixelPairs(const PixelPairs &pairs, const float *matrix_gradient, float *dw, ThreadPool &pool) {
+  const int64_t k = pairs.columns(), runs = pairs.in / pairs.x_run;
+  pool.parallel_for(static_cast<int>(pairs.out), [&](int o, int) {
+    std::vector<float> by_tap(static_cast<size_t>(pairs.taps * pairs.in), 0.0f);
+    for (int64_t q = 0; q < pairs.pixels_out; ++q) {
+      const float *row =
+          matrix_gradient + (((o / pairs.y_run) * pairs.pixels_out + q) * pairs.y_run + o % pairs.y_run) * k;
+      for (int64_t run = 0; run < runs; ++run) {
+        for (int64_t p = 0; p < pairs.pixels_in; ++p) {
+          float *to = by_tap.data() + pairs.pair_taps[q * pairs.pixels_in + p] * pairs.in + run * pairs.x_run;
+          const float *from = row + (run * pairs.pixels_in + p) * pairs.x_run;
+          for (int64_t i = 0; i < pairs.x_run; ++i) to[i] += from[i];
+        }
+      }
+    }
+    float *kernels = dw + o * pairs.in * pairs.taps;
+    for (int64_t c = 0; c < pairs.in; ++c) {
+      for (int64_t t = 0; t < pairs.taps; ++t) kernels[c * pairs.taps + t] = by_tap[t * pairs.in + c];
+    }
+  });
+}
+
 // Primitive and layouts for one convolution shape and direction, created once.
 struct Plan {
   dnnl::primitive primitive;
@@ -401,7 +484,7 @@ class Runtime {
       small->backward_weights.Execute(stream_, engine_, d_conv_out.get_data_handle(), x, matrix,
                                       Scratchpad(small->backward_weights.scratchpad));
       stream_.wait();
-      FoldWeightsGradient(*small, matrix, dw);
+      FoldPixelPairs(small->pairs, static_cast<const float *>(matrix), static_cast<float *>(dw), executor_.pool);
     } else {
       // As Run computes it, but from d_conv_out, which is already blocked.
       const Plan &filter = GetPlan(Direction::kBackwardWeights, shape);
@@ -691,112 +774,47 @@ class Runtime {
     return &*gather_plans_.emplace(key, plan).first->second;
   }
 
-  // Convolutions on maps so small that every output pixel meets every input pixel, at stride 1: 3x3 kernels with
-  // padding 1 on a 2x2 map (layer3 at 32x32 inputs with the ImageNet stem). Each sample's whole input (C x H x W
-  // numbers, in its channel blocks) times a (O x Ho x Wo, C x H x W) matrix that holds, for each (output pixel,
-  // input pixel) pair, the weights of the tap between them, is the whole output, its rows ordered as the output's
-  // channel blocks. The product skips the taps that meet only padding (20 of the 36 per output pixel on a 2x2
-  // map), and oneDNN's convolution kernels ran these shapes at a fraction of its matmul's rate (with AVX2 the weight
-  // gradient on its GEMM, through plain layouts). The matrix is built from the OIHW weights on each call.
+  // Training's plan for convolutions where every output pixel meets every input pixel (PixelPairs), x and y in
+  // channel blocks: y = x . matrix^T, dx = dy . matrix, dmatrix = dy^T . x, folded into dw.
   struct SmallMapPlan {
     MatmulPlan forward, backward_data, backward_weights;
-    memory::desc matrix;            // (O x Ho x Wo, C x H x W): rows in the output's order, columns in the input's
-    int64_t in, out, block, pixels_in, pixels_out, taps;
-    std::vector<int64_t> pair_taps;  // for output pixel q and input pixel p, the tap at [q * pixels_in + p]
+    memory::desc matrix;  // (rows, columns)
+    PixelPairs pairs;
   };
 
-  // The plan for shape with x in channel blocks (x_desc), or nullptr where some pair of pixels meets no tap, the
-  // input is one pixel, or oneDNN has only its reference matmul for it.
+  // The plan for shape with x in channel blocks (x_desc), or nullptr where AllPixelPairs finds none or oneDNN has
+  // only its reference matmul for it.
   const SmallMapPlan *GetSmallMapPlan(const Shape &shape, const memory::desc &x_desc) {
-    const memory::dims &src = shape.src, &dst = shape.dst, &w = shape.weights;
-    if (!IsBlocked(x_desc) || src[2] * src[3] == 1 || src[2] * src[3] > 4 || shape.strides[0] != 1 ||
-        shape.strides[1] != 1 || w[1] % ChannelBlock() != 0 || w[0] % ChannelBlock() != 0) {
-      return nullptr;
-    }
-    auto key = std::make_tuple(src, w, dst, shape.padding);
+    if (!IsBlocked(x_desc)) return nullptr;
+    auto key = std::make_tuple(shape.src, shape.weights, shape.dst, shape.strides, shape.padding);
     auto found = small_map_plans_.find(key);
     if (found != small_map_plans_.end()) return found->second ? &*found->second : nullptr;
-    SmallMapPlan plan;
-    plan.in = w[1], plan.out = w[0], plan.block = ChannelBlock(), plan.taps = w[2] * w[3];
-    plan.pixels_in = src[2] * src[3], plan.pixels_out = dst[2] * dst[3];
-    bool dense = true;
-    for (int64_t q = 0; q < plan.pixels_out && dense; ++q) {
-      for (int64_t p = 0; p < plan.pixels_in; ++p) {
-        const int64_t kh = p / src[3] - q / dst[3] + shape.padding[0], kw = p % src[3] - q % dst[3] + shape.padding[1];
-        if (kh < 0 || kh >= w[2] || kw < 0 || kw >= w[3]) {
-          dense = false;
-          break;
-        }
-        plan.pair_taps.push_back(kh * w[3] + kw);
-      }
-    }
-    const int64_t n = src[0], k = plan.in * plan.pixels_in, rows = plan.out * plan.pixels_out;
-    const auto f32 = memory::data_type::f32;
+    const auto pairs = AllPixelPairs(shape.src, shape.weights, shape.dst, shape.strides, shape.padding,
+                                     ChannelBlock(), ChannelBlock());
     std::optional<MatmulPlan> forward, data, filter;
-    if (dense) {
-      plan.matrix = memory::desc({rows, k}, f32, tag::ab);
+    const int64_t n = shape.src[0];
+    const auto f32 = memory::data_type::f32;
+    memory::desc matrix;
+    if (pairs) {
+      const int64_t k = pairs->columns(), rows = pairs->rows();
+      matrix = memory::desc({rows, k}, f32, tag::ab);
       const memory::desc x({n, k}, f32, tag::ab), y({n, rows}, f32, tag::ab);
       forward = MakeMatmul(x, memory::desc({k, rows}, f32, memory::dims{1, k}), y);
-      data = MakeMatmul(y, plan.matrix, x);
-      filter = MakeMatmul(memory::desc({rows, n}, f32, memory::dims{1, rows}), x, plan.matrix);
+      data = MakeMatmul(y, matrix, x);
+      filter = MakeMatmul(memory::desc({rows, n}, f32, memory::dims{1, rows}), x, matrix);
     }
     if (!forward || !data || !filter) {
       small_map_plans_.emplace(key, std::nullopt);
       return nullptr;
     }
-    plan.forward = *forward, plan.backward_data = *data, plan.backward_weights = *filter;
-    return &*small_map_plans_.emplace(key, plan).first->second;
+    return &*small_map_plans_.emplace(key, SmallMapPlan{*forward, *data, *filter, matrix, *pairs}).first->second;
   }
 
-  // The plan's matrix from OIHW weights, in buffers_[1]. Each output channel's (I, taps) weights are first
-  // transposed to (taps, I) in cache, so that each pair's weights are contiguous runs of a channel block.
+  // The plan's matrix from OIHW weights, in buffers_[1].
   void *ExpandWeights(const SmallMapPlan &plan, void *weights) {
     float *matrix = static_cast<float *>(buffers_[1].Get(plan.matrix.get_size()));
-    const float *w = static_cast<const float *>(weights);
-    const int64_t k = plan.in * plan.pixels_in, blocks = plan.in / plan.block;
-    executor_.pool.parallel_for(static_cast<int>(plan.out), [&](int o, int) {
-      std::vector<float> by_tap(static_cast<size_t>(plan.taps * plan.in));
-      const float *kernels = w + o * plan.in * plan.taps;
-      for (int64_t c = 0; c < plan.in; ++c) {
-        for (int64_t t = 0; t < plan.taps; ++t) by_tap[t * plan.in + c] = kernels[c * plan.taps + t];
-      }
-      const int64_t ob = o / plan.block, oi = o % plan.block;
-      for (int64_t q = 0; q < plan.pixels_out; ++q) {
-        float *row = matrix + ((ob * plan.pixels_out + q) * plan.block + oi) * k;
-        for (int64_t cb = 0; cb < blocks; ++cb) {
-          for (int64_t p = 0; p < plan.pixels_in; ++p) {
-            const float *from = by_tap.data() + plan.pair_taps[q * plan.pixels_in + p] * plan.in + cb * plan.block;
-            std::memcpy(row + (cb * plan.pixels_in + p) * plan.block, from, plan.block * sizeof(float));
-          }
-        }
-      }
-    });
+    ExpandPixelPairs(plan.pairs, static_cast<const float *>(weights), matrix, executor_.pool);
     return matrix;
-  }
-
-  // dw (plain OIHW) from the matrix's gradient: each tap's gradient is the sum over the pixel pairs it joins.
-  void FoldWeightsGradient(const SmallMapPlan &plan, const void *matrix_gradient, void *dw) {
-    const float *dm = static_cast<const float *>(matrix_gradient);
-    float *gradient = static_cast<float *>(dw);
-    const int64_t k = plan.in * plan.pixels_in, blocks = plan.in / plan.block;
-    executor_.pool.parallel_for(static_cast<int>(plan.out), [&](int o, int) {
-      std::vector<float> by_tap(static_cast<size_t>(plan.taps * plan.in), 0.0f);
-      const int64_t ob = o / plan.block, oi = o % plan.block;
-      for (int64_t q = 0; q < plan.pixels_out; ++q) {
-        const float *row = dm + ((ob * plan.pixels_out + q) * plan.block + oi) * k;
-        for (int64_t cb = 0; cb < blocks; ++cb) {
-          for (int64_t p = 0; p < plan.pixels_in; ++p) {
-            float *to = by_tap.data() + plan.pair_taps[q * plan.pixels_in + p] * plan.in + cb * plan.block;
-            const float *from = row + (cb * plan.pixels_in + p) * plan.block;
-            for (int64_t i = 0; i < plan.block; ++i) to[i] += from[i];
-          }
-        }
-      }
-      float *kernels = gradient + o * plan.in * plan.taps;
-      for (int64_t c = 0; c < plan.in; ++c) {
-        for (int64_t t = 0; t < plan.taps; ++t) kernels[c * plan.taps + t] = by_tap[t * plan.in + c];
-      }
-    });
   }
 
   static bool IsBlocked(const memory::desc &desc) { return desc.get_inner_nblks() > 0; }
@@ -975,7 +993,8 @@ class Runtime {
   std::map<std::tuple<memory::dims, memory::dims, int, int, int>, PoolPlan> pools_;
   std::map<std::tuple<memory::dims, memory::dims, int64_t>, std::optional<OnePixelPlan>> pixel_plans_;
   std::map<std::tuple<memory::dims, memory::dims, memory::dims, bool>, std::optional<GatherPlan>> gather_plans_;
-  std::map<std::tuple<memory::dims, memory::dims, memory::dims, memory::dims>, std::optional<SmallMapPlan>>
+  std::map<std::tuple<memory::dims, memory::dims, memory::dims, memory::dims, memory::dims>,
+           std::optional<SmallMapPlan>>
       small_map_plans_;
 };
 
@@ -1013,6 +1032,7 @@ struct PackedWeights {
   int64_t version = -1;
   const void *source = nullptr;
   std::unique_ptr<Buffer> buffer = std::make_unique<Buffer>();
+  std::unique_ptr<Buffer> bias = std::make_unique<Buffer>();  // a PixelPairs product's bias, one per output number
 };
 
 // What identifies a layer's weights: Python numbers every layer (unique in the process) and every update
@@ -1039,6 +1059,9 @@ struct InferencePlan {
   // kernel, its window (window_from) is first copied into a contiguous (out, in x taps) matrix (window_to), which
   // source_weights_desc then reads. Empty descs where not.
   memory::desc gather_from, gather_to, window_from, window_to;
+  // A matrix product of each sample's whole input with the PixelPairs matrix (source_weights_desc reads it,
+  // expanded from the OIHW weights), and the bias repeated for each output pixel. Empty where not.
+  std::optional<PixelPairs> pairs;
 };
 
 class InferenceRuntime {
@@ -1054,10 +1077,10 @@ class InferenceRuntime {
                    void *residual, void *dst) {
     auto lock = executor_.Begin();
     InferencePlan &plan = GetPlan(shape);
-    const bool windowed = !plan.window_from.is_zero();
+    const bool windowed = !plan.window_from.is_zero(), paired = plan.pairs.has_value();
     memory plain_weights(plan.source_weights_desc, engine_, static_cast<float *>(weights) + plan.weights_offset);
     memory kernel_weights = plain_weights;
-    if (plan.weights_desc != plain_weights.get_desc() || windowed) {
+    if (plan.weights_desc != plain_weights.get_desc() || windowed || paired) {
       if (plan.packed.count(key.layer) == 0 && packed_bytes_ + plan.weights_desc.get_size() > kPackedWeightsLimit) {
         for (auto &entry : plans_) entry.second.packed.clear();
         packed_bytes_ = 0;
@@ -1073,10 +1096,22 @@ class InferenceRuntime {
           dnnl::reorder(window, matrix).execute(stream_, window, matrix);
           plain_weights = memory(plan.source_weights_desc, engine_, matrix.get_data_handle());
         }
+        if (paired) {
+          const PixelPairs &pairs = *plan.pairs;
+          float *matrix = static_cast<float *>(window_.Get(plan.source_weights_desc.get_size()));
+          ExpandPixelPairs(pairs, static_cast<const float *>(weights), matrix, executor_.pool);
+          plain_weights = memory(plan.source_weights_desc, engine_, matrix);
+          float *repeated = static_cast<float *>(packed.bias->Get(plan.bias_desc.get_size()));
+          const float *per_channel = static_cast<const float *>(bias);
+          for (int64_t row = 0; row < pairs.rows(); ++row) {
+            repeated[row] = per_channel[row / (pairs.pixels_out * pairs.y_run) * pairs.y_run + row % pairs.y_run];
+          }
+        }
         dnnl::reorder(plain_weights, kernel_weights).execute(stream_, plain_weights, kernel_weights);
         packed.version = key.version;
         packed.source = weights;
       }
+      if (paired) bias = packed.bias->Get(plan.bias_desc.get_size());
     }
     if (!plan.gather_from.is_zero()) {
       memory from(plan.gather_from, engine_, src), columns(plan.gather_to, engine_, columns_.Get(
@@ -1134,6 +1169,7 @@ class InferenceRuntime {
     auto found = plans_.find(key);
     if (found != plans_.end()) return found->second;
     if (auto plan = MatrixProductPlan(shape)) return plans_.emplace(key, std::move(*plan)).first->second;
+    if (auto plan = PixelPairsPlan(shape)) return plans_.emplace(key, std::move(*plan)).first->second;
     memory::desc src(shape.src, memory::data_type::f32, LayoutTag(shape.src_layout));
     memory::desc weights(shape.weights, memory::data_type::f32, tag::any);
     memory::desc bias({shape.weights[0]}, memory::data_type::f32, tag::a);
@@ -1182,6 +1218,33 @@ class InferenceRuntime {
     if (one_pixel) return plan;
     plan.gather_from = window->x_view, plan.gather_to = window->x_dense;
     if (window->w_view != window->w_dense) plan.window_from = window->w_view, plan.window_to = window->w_dense;
+    return plan;
+  }
+
+  // Convolutions where every output pixel meets every input pixel (PixelPairs): (batch, C x H x W) times the
+  // pairs' matrix, bias and post-ops as the convolution's; nullopt where the shape is otherwise or oneDNN has only
+  // its reference matmul for it.
+  std::optional<InferencePlan> PixelPairsPlan(const InferenceShape &shape) {
+    auto run = [](Layout layout, int64_t channels) {
+      return layout == Layout::kBlocked ? ChannelBlock() : layout == Layout::kNhwc ? channels : 1;
+    };
+    const auto pairs = AllPixelPairs(shape.src, shape.weights, shape.dst, shape.strides, shape.padding,
+                                     run(shape.src_layout, shape.weights[1]), run(shape.dst_layout, shape.weights[0]));
+    if (!pairs) return std::nullopt;
+    const auto f32 = memory::data_type::f32;
+    const int64_t batch = shape.src[0], k = pairs->columns(), rows = pairs->rows();
+    memory::desc src({batch, k}, f32, tag::ab), weights({k, rows}, f32, tag::any), bias({1, rows}, f32, tag::ab);
+    memory::desc dst({batch, rows}, f32, tag::ab);
+    dnnl::matmul::primitive_desc pd;
+    try {
+      pd = dnnl::matmul::primitive_desc(engine_, src, weights, bias, dst, InferenceAttr(shape.post, dst));
+    } catch (const dnnl::error &) {
+      return std::nullopt;
+    }
+    if (std::strncmp(pd.impl_info_str(), "ref", 3) == 0) return std::nullopt;
+    InferencePlan plan{dnnl::matmul(pd), src, pd.weights_desc(), bias, dst, pd.scratchpad_desc(), {},
+                       memory::desc({k, rows}, f32, memory::dims{1, k}), 0};
+    plan.pairs = pairs;
     return plan;
   }
 
