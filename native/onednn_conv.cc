@@ -32,6 +32,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <string>
 #include <sched.h>
 #include <thread>
 #include <tuple>
@@ -970,6 +971,34 @@ class Runtime {
     return converted;
   }
 
+  // Training keeps activations in channel blocks. Where oneDNN picks another layout for a data gradient (its NHWC
+  // kernels for stride 2 under AVX2), each call would reorder the output gradient there and the input gradient
+  // back, through buffers as large as the largest activation: the plan on channel blocks instead, where oneDNN has
+  // a jit kernel for them (standalone, AVX2's blocked kernels ran those shapes at the same speed or faster).
+  std::optional<dnnl::convolution_backward_data::primitive_desc> BlockedBackwardData(
+      const Shape &shape, const dnnl::convolution_backward_data::primitive_desc &chosen,
+      const dnnl::primitive_attr &attr) {
+    const memory::desc src(shape.src, memory::data_type::f32, BlockedTag());
+    const memory::desc dst(shape.dst, memory::data_type::f32, BlockedTag());
+    if ((chosen.diff_src_desc() == src && chosen.diff_dst_desc() == dst) || shape.src[1] % ChannelBlock() != 0 ||
+        shape.dst[1] % ChannelBlock() != 0) {
+      return std::nullopt;
+    }
+    const memory::desc weights(shape.weights, memory::data_type::f32, tag::any);
+    try {
+      auto forward = dnnl::convolution_forward::primitive_desc(
+          engine_, dnnl::prop_kind::forward_training, dnnl::algorithm::convolution_direct, src, weights, dst,
+          shape.strides, shape.padding, shape.padding, attr);
+      auto blocked = dnnl::convolution_backward_data::primitive_desc(
+          engine_, dnnl::algorithm::convolution_direct, src, weights, dst, shape.strides, shape.padding,
+          shape.padding, forward, attr);
+      const std::string kernel = blocked.impl_info_str();
+      if (kernel.find("ref") == std::string::npos && kernel.find("gemm") == std::string::npos) return blocked;
+    } catch (const dnnl::error &) {
+    }
+    return std::nullopt;
+  }
+
   const Plan &GetPlan(Direction direction, const Shape &shape) {
     auto key = std::make_tuple(static_cast<int>(direction), shape.src, shape.weights, shape.dst, shape.strides,
                                shape.padding);
@@ -991,6 +1020,7 @@ class Runtime {
       auto backward = dnnl::convolution_backward_data::primitive_desc(
           engine_, dnnl::algorithm::convolution_direct, src, weights, dst, shape.strides, shape.padding,
           shape.padding, forward, attr);
+      if (auto blocked = BlockedBackwardData(shape, backward, attr)) backward = *blocked;
       plan = {dnnl::convolution_backward_data(backward), backward.diff_dst_desc(), backward.weights_desc(),
               backward.diff_src_desc(), backward.scratchpad_desc(), DNNL_ARG_DIFF_DST, DNNL_ARG_WEIGHTS,
               DNNL_ARG_DIFF_SRC};
