@@ -429,8 +429,9 @@ class Runtime {
   // x_blocked / y_blocked, in channel blocks (a block-through training step keeps its activations there, and
   // MindSpore's ReLU and addition work on them element by element); conv_out (the convolution's output, kept for
   // the gradient) in channel blocks; mean and (biased) variance per channel.
-  void ConvBnForward(const Shape &shape, float eps, bool x_blocked, bool y_blocked, void *x, void *weights,
-                     void *gamma, void *beta, void *y, void *conv_out, void *mean, void *variance) {
+  void ConvBnForward(const Shape &shape, float eps, bool x_blocked, bool y_blocked, bool relu, void *x,
+                     void *weights, void *gamma, void *beta, void *y, void *conv_out, void *mean, void *variance,
+                     void *relu_mask) {
     auto lock = executor_.Begin();
     memory::desc x_plain, w_plain, y_plain;
     PlainDescs(Direction::kForward, shape, &x_plain, &w_plain, &y_plain);
@@ -449,15 +450,17 @@ class Runtime {
               ToLayout(memory(w_plain, engine_, weights), plan.second_desc, &buffers_[1]), blocked, conv_out);
     }
     memory out_mem(blocked, engine_, conv_out);
-    const BatchNormPlan &norm = GetBatchNormPlan(shape.dst, eps);
+    const BatchNormPlan &norm = GetBatchNormPlan(shape.dst, eps, relu);
     memory normalized(blocked, engine_, y_blocked ? y : buffers_[4].Get(blocked.get_size()));
-    norm.forward.execute(stream_, {{DNNL_ARG_SRC, out_mem},
-                                   {DNNL_ARG_DST, normalized},
-                                   {DNNL_ARG_MEAN, Channels(shape, mean)},
-                                   {DNNL_ARG_VARIANCE, Channels(shape, variance)},
-                                   {DNNL_ARG_SCALE, Channels(shape, gamma)},
-                                   {DNNL_ARG_SHIFT, Channels(shape, beta)},
-                                   {DNNL_ARG_SCRATCHPAD, Scratchpad(norm.forward_scratchpad)}});
+    std::unordered_map<int, memory> args = {{DNNL_ARG_SRC, out_mem},
+                                            {DNNL_ARG_DST, normalized},
+                                            {DNNL_ARG_MEAN, Channels(shape, mean)},
+                                            {DNNL_ARG_VARIANCE, Channels(shape, variance)},
+                                            {DNNL_ARG_SCALE, Channels(shape, gamma)},
+                                            {DNNL_ARG_SHIFT, Channels(shape, beta)},
+                                            {DNNL_ARG_SCRATCHPAD, Scratchpad(norm.forward_scratchpad)}};
+    if (relu) args.emplace(DNNL_ARG_WORKSPACE, memory(norm.workspace, engine_, relu_mask));
+    norm.forward.execute(stream_, args);
     if (!y_blocked) {
       memory y_mem(y_plain, engine_, y);
       dnnl::reorder(normalized, y_mem).execute(stream_, normalized, y_mem);
@@ -470,27 +473,30 @@ class Runtime {
   // and the forward's conv_out, mean and variance. d_conv_out_result receives the convolution's output gradient,
   // in channel blocks; with dx null the input gradient is left to ConvBnBackwardData (run only where it is used),
   // which reads it there.
-  void ConvBnBackward(const Shape &shape, float eps, bool x_blocked, bool y_blocked, int64_t gradient_layer,
-                      void *dy, void *conv_out, void *mean, void *variance, void *gamma, void *x, void *weights,
-                      void *dx, void *dw, void *dgamma, void *dbeta, void *d_conv_out_result) {
+  void ConvBnBackward(const Shape &shape, float eps, bool x_blocked, bool y_blocked, bool relu,
+                      int64_t gradient_layer, void *dy, void *conv_out, void *mean, void *variance, void *gamma,
+                      void *x, void *weights, void *relu_mask, void *dx, void *dw, void *dgamma, void *dbeta,
+                      void *d_conv_out_result) {
     auto lock = executor_.Begin();
     memory::desc x_plain, w_plain, y_plain;
     PlainDescs(Direction::kForward, shape, &x_plain, &w_plain, &y_plain);
     const memory::desc blocked(shape.dst, memory::data_type::f32, BlockedTag());
     const memory::desc x_desc = x_blocked ? memory::desc(shape.src, memory::data_type::f32, BlockedTag()) : x_plain;
-    const BatchNormPlan &norm = GetBatchNormPlan(shape.dst, eps);
+    const BatchNormPlan &norm = GetBatchNormPlan(shape.dst, eps, relu);
     memory dy_blocked = y_blocked ? memory(blocked, engine_, dy)
                                   : ToLayout(memory(y_plain, engine_, dy), blocked, &buffers_[4]);
     memory d_conv_out(blocked, engine_, d_conv_out_result);
-    norm.backward.execute(stream_, {{DNNL_ARG_SRC, memory(blocked, engine_, conv_out)},
-                                    {DNNL_ARG_DIFF_DST, dy_blocked},
-                                    {DNNL_ARG_MEAN, Channels(shape, mean)},
-                                    {DNNL_ARG_VARIANCE, Channels(shape, variance)},
-                                    {DNNL_ARG_SCALE, Channels(shape, gamma)},
-                                    {DNNL_ARG_DIFF_SRC, d_conv_out},
-                                    {DNNL_ARG_DIFF_SCALE, Channels(shape, dgamma)},
-                                    {DNNL_ARG_DIFF_SHIFT, Channels(shape, dbeta)},
-                                    {DNNL_ARG_SCRATCHPAD, Scratchpad(norm.backward_scratchpad)}});
+    std::unordered_map<int, memory> args = {{DNNL_ARG_SRC, memory(blocked, engine_, conv_out)},
+                                            {DNNL_ARG_DIFF_DST, dy_blocked},
+                                            {DNNL_ARG_MEAN, Channels(shape, mean)},
+                                            {DNNL_ARG_VARIANCE, Channels(shape, variance)},
+                                            {DNNL_ARG_SCALE, Channels(shape, gamma)},
+                                            {DNNL_ARG_DIFF_SRC, d_conv_out},
+                                            {DNNL_ARG_DIFF_SCALE, Channels(shape, dgamma)},
+                                            {DNNL_ARG_DIFF_SHIFT, Channels(shape, dbeta)},
+                                            {DNNL_ARG_SCRATCHPAD, Scratchpad(norm.backward_scratchpad)}};
+    if (relu) args.emplace(DNNL_ARG_WORKSPACE, memory(norm.workspace, engine_, relu_mask));
+    norm.backward.execute(stream_, args);
     if (dx) DataGradient(shape, x_blocked, d_conv_out, weights, dx);
     int block = 0;  // dw's layout: plain, or (gradient_layer >= 0) the kernel's ABcd{B}b{B}a where it is one
     if (const OnePixelPlan *pixel = GetOnePixelPlan(shape)) {
@@ -938,15 +944,18 @@ class Runtime {
     dnnl::batch_normalization_forward forward;
     dnnl::batch_normalization_backward backward;
     memory::desc forward_scratchpad, backward_scratchpad;
+    memory::desc workspace;  // with relu: which outputs the ReLU zeroed (a bit each), for the gradient
   };
 
-  // BatchNorm with scale and shift on the batch's statistics, on channel blocks.
-  const BatchNormPlan &GetBatchNormPlan(const memory::dims &dims, float eps) {
-    auto key = std::make_pair(dims, eps);
+  // BatchNorm with scale and shift on the batch's statistics, on channel blocks; with relu, ReLU fused into it
+  // (oneDNN's fuse_norm_relu: the output is ReLU's, and the gradient is masked as it goes).
+  const BatchNormPlan &GetBatchNormPlan(const memory::dims &dims, float eps, bool relu) {
+    auto key = std::make_tuple(dims, eps, relu);
     auto found = norms_.find(key);
     if (found != norms_.end()) return found->second;
     const memory::desc blocked(dims, memory::data_type::f32, BlockedTag());
-    const auto flags = dnnl::normalization_flags::use_scale | dnnl::normalization_flags::use_shift;
+    auto flags = dnnl::normalization_flags::use_scale | dnnl::normalization_flags::use_shift;
+    if (relu) flags = flags | dnnl::normalization_flags::fuse_norm_relu;
     dnnl::primitive_attr attr;
     attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
     auto forward = dnnl::batch_normalization_forward::primitive_desc(
@@ -954,7 +963,7 @@ class Runtime {
     auto backward = dnnl::batch_normalization_backward::primitive_desc(
         engine_, dnnl::prop_kind::backward, blocked, blocked, blocked, eps, flags, forward, attr);
     BatchNormPlan plan{dnnl::batch_normalization_forward(forward), dnnl::batch_normalization_backward(backward),
-                       forward.scratchpad_desc(), backward.scratchpad_desc()};
+                       forward.scratchpad_desc(), backward.scratchpad_desc(), forward.workspace_desc()};
     return norms_.emplace(key, plan).first->second;
   }
 
@@ -1040,7 +1049,7 @@ class Runtime {
   dnnl::stream &stream_;
   Buffer buffers_[5];  // first input, second input, result, scratchpad; ConvBn's blocked y or dy
   std::map<std::tuple<int, memory::dims, memory::dims, memory::dims, memory::dims, memory::dims>, Plan> plans_;
-  std::map<std::pair<memory::dims, float>, BatchNormPlan> norms_;
+  std::map<std::tuple<memory::dims, float, bool>, BatchNormPlan> norms_;
   std::map<std::tuple<memory::dims, memory::dims, int, int, int>, PoolPlan> pools_;
   std::map<std::tuple<memory::dims, memory::dims, int64_t>, std::optional<OnePixelPlan>> pixel_plans_;
   std::map<std::tuple<memory::dims, memory::dims, memory::dims, bool>, std::optional<GatherPlan>> gather_plans_;
@@ -1372,16 +1381,16 @@ int Launch(Direction direction, int stride, int padding, int nparam, void **para
 // gradient may come in the kernel's layout, -1 for plain: see GradientLayouts), checked against the tensors'
 // channels; false (with a message) when it can't be used.
 bool ReadTrainingLayouts(const char *what, const int64_t *layouts, int64_t count, const Shape &shape, bool *x_blocked,
-                         bool *y_blocked, int64_t *gradient_layer) {
-  if (count != 3) {
-    std::fprintf(stderr, "%s: the layouts (x's, y's, the weight gradient's layer) must be 3 numbers, got %lld\n",
-                 what, static_cast<long long>(count));
+                         bool *y_blocked, int64_t *gradient_layer, bool *relu) {
+  if (count != 4) {
+    std::fprintf(stderr,
+                 "%s: the layouts (x's, y's, the weight gradient's layer, ReLU) must be 4 numbers, got %lld\n", what,
+                 static_cast<long long>(count));
     return false;
   }
-  for (int i = 0; i < 2; ++i) {
+  for (int i : {0, 1, 3}) {
     if (layouts[i] != 0 && layouts[i] != 1) {
-      std::fprintf(stderr, "%s: layout %lld is neither 0 (plain) nor 1 (blocked)\n", what,
-                   static_cast<long long>(layouts[i]));
+      std::fprintf(stderr, "%s: layout entry %lld is neither 0 nor 1\n", what, static_cast<long long>(layouts[i]));
       return false;
     }
   }
@@ -1390,7 +1399,7 @@ bool ReadTrainingLayouts(const char *what, const int64_t *layouts, int64_t count
                  static_cast<long long>(layouts[2]));
     return false;
   }
-  *x_blocked = layouts[0] == 1, *y_blocked = layouts[1] == 1, *gradient_layer = layouts[2];
+  *x_blocked = layouts[0] == 1, *y_blocked = layouts[1] == 1, *gradient_layer = layouts[2], *relu = layouts[3] == 1;
   if (*x_blocked && shape.src[1] % ChannelBlock() != 0) {
     std::fprintf(stderr, "%s: a blocked input needs channels in multiples of %d, got %lld\n", what, ChannelBlock(),
                  static_cast<long long>(shape.src[1]));
@@ -1399,38 +1408,61 @@ bool ReadTrainingLayouts(const char *what, const int64_t *layouts, int64_t count
   return true;
 }
 
+// The bytes of the ReLU mask that a conv+BatchNorm call keeps for its gradient (oneDNN's workspace of
+// fuse_norm_relu) for output dims; a call without ReLU leaves it unused.
+int64_t ReluMaskBytes(const memory::dims &dst) {
+  const memory::desc blocked(dst, memory::data_type::f32, BlockedTag());
+  const auto flags = dnnl::normalization_flags::use_scale | dnnl::normalization_flags::use_shift |
+                     dnnl::normalization_flags::fuse_norm_relu;
+  static dnnl::engine engine(dnnl::engine::kind::cpu, 0);  // not the executor's: that would fix the pool's size
+  auto forward = dnnl::batch_normalization_forward::primitive_desc(engine, dnnl::prop_kind::forward_training,
+                                                                    blocked, blocked, 1e-5f, flags);
+  return static_cast<int64_t>(forward.workspace_desc().get_size());
+}
+
+bool CheckReluMask(const char *what, const memory::dims &dst, int64_t bytes) {
+  const int64_t wanted = ReluMaskBytes(dst);
+  if (bytes == wanted) return true;
+  std::fprintf(stderr, "%s: the ReLU mask must be %lld bytes, got %lld\n", what, static_cast<long long>(wanted),
+               static_cast<long long>(bytes));
+  return false;
+}
+
 // params: x, weights, gamma, beta, moving mean, moving variance, (eps, momentum), layouts (int64: x's, y's, the
-// weight gradient's layer; see ReadTrainingLayouts), then
-// the outputs y, conv_out, batch mean, batch variance (biased), new moving mean, new moving variance; all float32
+// weight gradient's layer, ReLU; see ReadTrainingLayouts), then
+// the outputs y, conv_out, batch mean, batch variance (biased), new moving mean, new moving variance, and (uint8,
+// 1-d) the ReLU's mask for the gradient (onednn_conv_relu_mask_bytes long, unused without ReLU); all float32
 // but layouts. The moving statistics are updated as nn.BatchNorm2d updates them (momentum: the batch's weight; the
 // unbiased batch variance), here rather than in the graph, where they took seven small ops per BatchNorm.
 int LaunchConvBnForward(int stride, int padding, int nparam, void **params, int *ndims, int64_t **shapes,
                         const char **dtypes) {
   const char *what = "onednn_conv conv+batchnorm";
-  const int wanted_ndims[] = {4, 4, 1, 1, 1, 1, 1, 1, 4, 4, 1, 1, 1, 1};
-  const char *const wanted_dtypes[] = {"float32", "float32", "float32", "float32", "float32", "float32", "float32",
-                                       "int64",   "float32", "float32", "float32", "float32", "float32", "float32"};
-  if (!CheckTensors(what, nparam, 14, ndims, dtypes, wanted_ndims, wanted_dtypes)) return 1;
+  const int wanted_ndims[] = {4, 4, 1, 1, 1, 1, 1, 1, 4, 4, 1, 1, 1, 1, 1};
+  const char *const wanted_dtypes[] = {"float32", "float32", "float32", "float32", "float32",
+                                       "float32", "float32", "int64",   "float32", "float32",
+                                       "float32", "float32", "float32", "float32", "uint8"};
+  if (!CheckTensors(what, nparam, 15, ndims, dtypes, wanted_ndims, wanted_dtypes)) return 1;
   Shape shape{Dims(shapes[0]), Dims(shapes[1]), Dims(shapes[8]), {stride, stride}, {padding, padding}};
-  if (shape.dst[1] % ChannelBlock() != 0 || shapes[6][0] != 2 || shapes[7][0] != 3) {
+  if (shape.dst[1] % ChannelBlock() != 0 || shapes[6][0] != 2 || shapes[7][0] != 4) {
     std::fprintf(stderr,
-                 "%s: needs output channels in multiples of %d, (eps, momentum) and three layout numbers, got %lld, "
+                 "%s: needs output channels in multiples of %d, (eps, momentum) and four layout numbers, got %lld, "
                  "%lld and %lld\n",
                  what, ChannelBlock(), static_cast<long long>(shape.dst[1]), static_cast<long long>(shapes[6][0]),
                  static_cast<long long>(shapes[7][0]));
     return 1;
   }
-  bool x_blocked, y_blocked;
+  bool x_blocked, y_blocked, relu;
   int64_t gradient_layer;
   if (!ReadTrainingLayouts(what, static_cast<const int64_t *>(params[7]), shapes[7][0], shape, &x_blocked,
-                           &y_blocked, &gradient_layer)) {
+                           &y_blocked, &gradient_layer, &relu) ||
+      !CheckReluMask(what, shape.dst, shapes[14][0])) {
     return 1;
   }
   const float *constants = static_cast<const float *>(params[6]);
   const float eps = constants[0], momentum = constants[1];
   return Guarded(what, [&] {
-    Runtime::Get().ConvBnForward(shape, eps, x_blocked, y_blocked, params[0], params[1], params[2], params[3],
-                                 params[8], params[9], params[10], params[11]);
+    Runtime::Get().ConvBnForward(shape, eps, x_blocked, y_blocked, relu, params[0], params[1], params[2],
+                                 params[3], params[8], params[9], params[10], params[11], params[14]);
     const int64_t count = shape.dst[0] * shape.dst[2] * shape.dst[3];
     const float unbiased = static_cast<float>(count) / static_cast<float>(std::max<int64_t>(count - 1, 1));
     const auto *moving_mean = static_cast<const float *>(params[4]);
@@ -1445,28 +1477,31 @@ int LaunchConvBnForward(int stride, int padding, int nparam, void **params, int 
   });
 }
 
-// params: dy, conv_out, mean, variance, gamma, (eps, momentum), layouts (as the forward's), x, weights, then the
-// outputs dx, dw, dgamma, dbeta and the convolution's output gradient (dy's shape, channel blocks: working memory
+// params: dy, conv_out, mean, variance, gamma, (eps, momentum), layouts (as the forward's), x, weights, the
+// forward's ReLU mask, then the outputs dx, dw, dgamma, dbeta and the convolution's output gradient (dy's shape, channel blocks: working memory
 // that MindSpore allocates and reuses once the call is done, where a buffer of the library's would stay).
 int LaunchConvBnBackward(bool defer_input, int stride, int padding, int nparam, void **params, int *ndims,
                          int64_t **shapes, const char **dtypes) {
   const char *what = "onednn_conv conv+batchnorm gradient";
-  const int wanted_ndims[] = {4, 4, 1, 1, 1, 1, 1, 4, 4, 4, 4, 1, 1, 4};
-  const char *const wanted_dtypes[] = {"float32", "float32", "float32", "float32", "float32", "float32", "int64",
-                                       "float32", "float32", "float32", "float32", "float32", "float32", "float32"};
-  if (!CheckTensors(what, nparam, defer_input ? 13 : 14, ndims, dtypes, wanted_ndims, wanted_dtypes)) return 1;
+  const int wanted_ndims[] = {4, 4, 1, 1, 1, 1, 1, 4, 4, 1, 4, 4, 1, 1, 4};
+  const char *const wanted_dtypes[] = {"float32", "float32", "float32", "float32", "float32",
+                                       "float32", "int64",   "float32", "float32", "uint8",
+                                       "float32", "float32", "float32", "float32", "float32"};
+  if (!CheckTensors(what, nparam, defer_input ? 14 : 15, ndims, dtypes, wanted_ndims, wanted_dtypes)) return 1;
   Shape shape{Dims(shapes[7]), Dims(shapes[8]), Dims(shapes[0]), {stride, stride}, {padding, padding}};
-  bool x_blocked, y_blocked;
+  bool x_blocked, y_blocked, relu;
   int64_t gradient_layer;
   if (!ReadTrainingLayouts(what, static_cast<const int64_t *>(params[6]), shapes[6][0], shape, &x_blocked,
-                           &y_blocked, &gradient_layer)) {
+                           &y_blocked, &gradient_layer, &relu) ||
+      !CheckReluMask(what, shape.dst, shapes[9][0])) {
     return 1;
   }
   const float eps = *static_cast<const float *>(params[5]);
   return Guarded(what, [&] {
-    Runtime::Get().ConvBnBackward(shape, eps, x_blocked, y_blocked, gradient_layer, params[0], params[1], params[2],
-                                  params[3], params[4], params[7], params[8], defer_input ? nullptr : params[9],
-                                  params[10], params[11], params[12], defer_input ? params[9] : params[13]);
+    Runtime::Get().ConvBnBackward(shape, eps, x_blocked, y_blocked, relu, gradient_layer, params[0], params[1],
+                                  params[2], params[3], params[4], params[7], params[8], params[9],
+                                  defer_input ? nullptr : params[10], params[11], params[12], params[13],
+                                  defer_input ? params[10] : params[14]);
   });
 }
 
@@ -1480,10 +1515,10 @@ int LaunchConvBnBackwardData(int stride, int padding, int nparam, void **params,
   const char *const wanted_dtypes[] = {"float32", "float32", "int64", "float32", "float32"};
   if (!CheckTensors(what, nparam, 5, ndims, dtypes, wanted_ndims, wanted_dtypes)) return 1;
   Shape shape{Dims(shapes[3]), Dims(shapes[1]), Dims(shapes[0]), {stride, stride}, {padding, padding}};
-  bool x_blocked, y_blocked;
+  bool x_blocked, y_blocked, relu;
   int64_t gradient_layer;
   if (!ReadTrainingLayouts(what, static_cast<const int64_t *>(params[2]), shapes[2][0], shape, &x_blocked,
-                           &y_blocked, &gradient_layer)) {
+                           &y_blocked, &gradient_layer, &relu)) {
     return 1;
   }
   return Guarded(what, [&] { Runtime::Get().ConvBnBackwardData(shape, x_blocked, params[0], params[1], params[4]); });
@@ -1997,6 +2032,15 @@ extern "C" int onednn_conv_set_threads(int threads) {
 
 // The vector width in bits (512, 256 or 128) the optimizer updates run with, for tests of the ISA cap.
 extern "C" int onednn_conv_update_vector_bits() { return StepVectorBits(); }
+
+// The ReLU mask's bytes for a conv+BatchNorm output of dims (n, c, h, w), for Python's shapes; -1 on error.
+extern "C" int64_t onednn_conv_relu_mask_bytes(int64_t n, int64_t c, int64_t h, int64_t w) {
+  try {
+    return ReluMaskBytes({n, c, h, w});
+  } catch (const std::exception &) {
+    return -1;
+  }
+}
 
 // The channel block of the blocked layouts (16 or 8), for Python's shapes and fallbacks.
 extern "C" int onednn_conv_channel_block() { return ChannelBlock(); }

@@ -145,12 +145,26 @@ def _forward_op(stride: int, padding: int) -> ops.Custom:
 
 
 @functools.lru_cache(maxsize=None)
+def relu_mask_bytes(y_shape: Tuple[int, int, int, int]) -> int:
+    """Bytes of the mask a conv+BatchNorm call with ReLU keeps for its gradient, for an output of y_shape."""
+    count = ctypes.CDLL(usable_library()).onednn_conv_relu_mask_bytes
+    count.restype = ctypes.c_int64
+    count.argtypes = [ctypes.c_int64] * 4
+    size = int(count(*y_shape))
+    if size < 0:
+        raise RuntimeError(f"the native library has no ReLU mask for output shape {y_shape}")
+    return size
+
+
+@functools.lru_cache(maxsize=None)
 def _conv_batchnorm_op(stride: int, padding: int, defer_input_gradient: bool = False) -> ops.Custom:
-    """Convolution then BatchNorm on the batch's statistics in one native call (training), with its gradient op
-    as bprop: (x, weight, gamma, beta, moving mean, moving variance, (eps, momentum), layouts (x's, y's: PLAIN or
-    BLOCKED; the weight gradient's layer: BlockedConv2d.gradient_layer)) -> (y, the convolution's output in channel
-    blocks, kept for the gradient, batch mean, batch variance (biased), new moving mean, new moving variance). The
-    gradient of x comes in x's layout.
+    """Convolution then BatchNorm on the batch's statistics in one native call (training), and a ReLU where the
+    layouts say so, with its gradient op as bprop: (x, weight, gamma, beta, moving mean, moving variance, (eps,
+    momentum), layouts (x's, y's: PLAIN or BLOCKED; the weight gradient's layer: BlockedConv2d.gradient_layer; 1 for
+    the ReLU, else 0)) -> (y, the convolution's output in channel blocks, kept for the gradient, batch mean, batch
+    variance (biased), new moving mean, new moving variance, the ReLU's mask for the gradient: uint8, a bit a
+    number, unused without the ReLU).
+    The gradient of x comes in x's layout.
 
     defer_input_gradient: the gradient of x is a native call of its own, so that the graph drops it where nothing
     uses it (a network's first convolution: training differentiates the weights, not the images)."""
@@ -161,10 +175,11 @@ def _conv_batchnorm_op(stride: int, padding: int, defer_input_gradient: bool = F
     def output_shape(x_shape, w_shape, gamma_shape, *others):
         y_shape = (x_shape[0], w_shape[0], (x_shape[2] + 2 * padding - w_shape[2]) // stride + 1,
                    (x_shape[3] + 2 * padding - w_shape[3]) // stride + 1)
-        return y_shape, y_shape, gamma_shape, gamma_shape, gamma_shape, gamma_shape
+        mask_shape = (relu_mask_bytes(tuple(int(d) for d in y_shape)),)
+        return y_shape, y_shape, gamma_shape, gamma_shape, gamma_shape, gamma_shape, mask_shape
 
     def output_dtype(x_dtype, *others):
-        return (x_dtype,) * 6
+        return (x_dtype,) * 6 + (ms.uint8,)
 
     return ops.Custom(f"{library}:ConvBnForward{suffix}", output_shape, output_dtype, func_type="aot",
                       bprop=make_bprop(library, suffix))
@@ -185,7 +200,7 @@ def _first_dtype(first, *others):
 def _conv_batchnorm_bprop(library: str, suffix: str) -> Callable:
     """ConvBnForward's bprop: dx, dw, dgamma and dbeta from one native call. Its fifth output is the call's working
     memory (the convolution's output gradient): MindSpore's, so that it is reused once the call is done."""
-    def backward_shape(dy, conv_out, mean, variance, gamma, constants, layouts, x, weight):
+    def backward_shape(dy, conv_out, mean, variance, gamma, constants, layouts, x, weight, relu_mask):
         return x, weight, gamma, gamma, dy
 
     backward = ops.Custom(f"{library}:ConvBnBackward{suffix}", backward_shape, _five_of_first_dtype,
@@ -194,7 +209,8 @@ def _conv_batchnorm_bprop(library: str, suffix: str) -> Callable:
     def bprop(x, weight, gamma, beta, moving_mean, moving_variance, constants, layouts, out, dout):
         # Only y carries a gradient: conv_out, mean and variance are for this bprop, the moving statistics are
         # assigned.
-        dx, dw, dgamma, dbeta, _ = backward(dout[0], out[1], out[2], out[3], gamma, constants, layouts, x, weight)
+        dx, dw, dgamma, dbeta, _ = backward(dout[0], out[1], out[2], out[3], gamma, constants, layouts, x, weight,
+                                            out[6])
         return (dx, dw, dgamma, dbeta, ops.zeros_like(moving_mean), ops.zeros_like(moving_variance),
                 ops.zeros_like(constants), ops.zeros_like(layouts))
 
@@ -204,7 +220,7 @@ def _conv_batchnorm_bprop(library: str, suffix: str) -> Callable:
 def _conv_batchnorm_bprop_deferred(library: str, suffix: str) -> Callable:
     """ConvBnForward's bprop with dx in a native call of its own, after the one for dw, dgamma and dbeta, which
     hands it the convolution's output gradient."""
-    def weights_shape(dy, conv_out, mean, variance, gamma, constants, layouts, x, weight):
+    def weights_shape(dy, conv_out, mean, variance, gamma, constants, layouts, x, weight, relu_mask):
         return dy, weight, gamma, gamma  # the convolution's output gradient (blocked), dw, dgamma, dbeta
 
     def data_shape(d_conv_out, weight, layouts, x):
@@ -216,7 +232,7 @@ def _conv_batchnorm_bprop_deferred(library: str, suffix: str) -> Callable:
 
     def bprop(x, weight, gamma, beta, moving_mean, moving_variance, constants, layouts, out, dout):
         d_conv_out, dw, dgamma, dbeta = backward_weights(dout[0], out[1], out[2], out[3], gamma, constants, layouts,
-                                                         x, weight)
+                                                         x, weight, out[6])
         return (backward_data(d_conv_out, weight, layouts, x), dw, dgamma, dbeta, ops.zeros_like(moving_mean),
                 ops.zeros_like(moving_variance), ops.zeros_like(constants), ops.zeros_like(layouts))
 
@@ -353,19 +369,22 @@ class BlockedConv2d(nn.Conv2d):
         """Whether with_batchnorm runs the convolution and a training BatchNorm in one native call (float32)."""
         return self.batchnorm_op is not None
 
-    def with_batchnorm(self, x, bn: nn.BatchNorm2d, x_layout: int = PLAIN, y_layout: int = PLAIN):
-        """bn(self(x)). In training on batch statistics both run in one native call, the convolution's output
-        kept in oneDNN's blocked layout for its BatchNorm kernels, and bn's moving statistics are updated as
+    def with_batchnorm(self, x, bn: nn.BatchNorm2d, x_layout: int = PLAIN, y_layout: int = PLAIN,
+                       relu: bool = False):
+        """bn(self(x)), and with relu ReLU of that. In training on batch statistics all run in one native call, the
+        convolution's output kept in oneDNN's blocked layout for its BatchNorm kernels (the ReLU fused into the
+        BatchNorm's, a bit a number kept for its gradient), and bn's moving statistics are updated as
         nn.BatchNorm2d updates them: with the unbiased batch variance, bn.momentum being the new batch's weight
         (nn.BatchNorm2d keeps 1 - its momentum argument there). x and y are in channel blocks where x_layout /
         y_layout say BLOCKED (only in that call: the caller checks runs_batchnorm_itself and trains in float32)."""
         if self.batchnorm_op is None or x.dtype != ms.float32 or not bn.training or bn.use_batch_statistics is False:
-            return bn(self.construct(x))
+            y = bn(self.construct(x))
+            return ops.relu(y) if relu else y
         constants = ms.Tensor([bn.eps, bn.momentum], ms.float32)
-        layouts = ms.Tensor([x_layout, y_layout, self.gradient_layer], ms.int64)
-        y, _, _, _, moving_mean, moving_variance = self.batchnorm_op(x, self.weight, bn.gamma, bn.beta,
-                                                                     bn.moving_mean, bn.moving_variance, constants,
-                                                                     layouts)
+        layouts = ms.Tensor([x_layout, y_layout, self.gradient_layer, int(relu)], ms.int64)
+        y, _, _, _, moving_mean, moving_variance, _ = self.batchnorm_op(x, self.weight, bn.gamma, bn.beta,
+                                                                        bn.moving_mean, bn.moving_variance,
+                                                                        constants, layouts)
         ops.assign(bn.moving_mean, moving_mean)
         ops.assign(bn.moving_variance, moving_variance)
         return y

@@ -90,6 +90,13 @@ def conv_bn(conv: nn.Conv2d, bn: nn.BatchNorm2d, x, blocked: bool = False, block
     return bn(conv(x))
 
 
+def conv_bn_relu(conv: nn.Conv2d, bn: nn.BatchNorm2d, relu: nn.Cell, x, blocked: bool = False):
+    """relu(bn(conv(x))); a convolution that can run its BatchNorm itself runs the ReLU in the same call."""
+    if hasattr(conv, "with_batchnorm"):
+        return conv.with_batchnorm(x, bn, int(blocked), int(blocked), True)
+    return relu(bn(conv(x)))
+
+
 class BasicBlock(nn.Cell):
     """Two 3x3 convolutions (ResNet-18/34)."""
     expansion = 1
@@ -115,7 +122,7 @@ class BasicBlock(nn.Cell):
         out = x
         if self.pad1 is not None:
             out = self.pad1(out)
-        out = self.relu(conv_bn(self.conv1, self.bn1, out, blocked))
+        out = conv_bn_relu(self.conv1, self.bn1, self.relu, out, blocked)
         out = conv_bn(self.conv2, self.bn2, out, blocked)
         if self.downsample is not None:
             identity = conv_bn(self.downsample[0], self.downsample[1], x, blocked)
@@ -146,10 +153,10 @@ class Bottleneck(nn.Cell):
     def construct(self, x, blocked: bool = False):
         # blocked: x and the result are in channel blocks (ResNet's training step, see conv_bn).
         identity = x
-        out = self.relu(conv_bn(self.conv1, self.bn1, x, blocked))
+        out = conv_bn_relu(self.conv1, self.bn1, self.relu, x, blocked)
         if self.pad2 is not None:
             out = self.pad2(out)
-        out = self.relu(conv_bn(self.conv2, self.bn2, out, blocked))
+        out = conv_bn_relu(self.conv2, self.bn2, self.relu, out, blocked)
         out = conv_bn(self.conv3, self.bn3, out, blocked)
         if self.downsample is not None:
             identity = conv_bn(self.downsample[0], self.downsample[1], x, blocked)

@@ -17,7 +17,7 @@ from conftest import (REPO, assert_one_line_error, cpu_has_avx512, native_channe
                       script_env)
 from src.errors import UserError
 from src.onednn_conv import BlockedConv2d, channel_block, resolve_conv_implementation
-from src.resnet import conv_bn
+from src.resnet import conv_bn, conv_bn_relu
 
 
 # (in, out, kernel, stride, padding, input size): every kind of convolution in the ResNets.
@@ -209,16 +209,20 @@ def test_build_without_a_compiler_installs_and_records_why(tmp_path):
 
 
 def conv_batchnorm_results(conv: nn.Conv2d, bn: nn.BatchNorm2d, x: np.ndarray, upstream: np.ndarray,
-                           blocked: bool = False):
+                           blocked: bool = False, relu: bool = False):
     """y, the moving statistics after one training forward, and the gradients of (y * upstream).sum() for x,
-    the weights, gamma and beta: through conv_bn, as the ResNet blocks call it (blocked: on channel blocks, as a
-    training step of ResNet does, reordered from and to the plain layout around it)."""
+    the weights, gamma and beta: through conv_bn (relu: conv_bn_relu), as the ResNet blocks call it (blocked: on
+    channel blocks, as a training step of ResNet does, reordered from and to the plain layout around it)."""
     from src.onednn_conv import ChannelBlocks
     bn.set_train(True)
     conv.set_train(True)
     to_blocks, from_blocks = ChannelBlocks(True), ChannelBlocks(False)
 
     def forward(images):
+        if relu:
+            if blocked:
+                return from_blocks(conv_bn_relu(conv, bn, nn.ReLU(), to_blocks(images), True))
+            return conv_bn_relu(conv, bn, nn.ReLU(), images)
         if blocked:
             return from_blocks(conv_bn(conv, bn, to_blocks(images), True))
         return conv_bn(conv, bn, images)
@@ -258,7 +262,18 @@ def test_convolution_with_batchnorm_on_channel_blocks_equals_conv2d_then_batchno
     check_convolution_with_batchnorm(case, mode, False, blocked=True)
 
 
-def check_convolution_with_batchnorm(case, mode, deferred: bool, blocked: bool) -> None:
+@pytest.mark.parametrize("case", BLOCKED_CASES + [CASES[5], CASES[8]],
+                         ids=lambda c: f"{c[2]}x{c[2]}s{c[3]}p{c[4]}_{c[0]}to{c[1]}_h{c[5]}")
+@pytest.mark.parametrize("mode", [pytest.param(ms.GRAPH_MODE, marks=pytest.mark.slow), ms.PYNATIVE_MODE],
+                         ids=["graph", "pynative"])
+@pytest.mark.parametrize("blocked", [False, True], ids=["plain", "blocked"])
+def test_convolution_with_batchnorm_and_relu_equals_conv2d_batchnorm2d_relu(case, mode, blocked):
+    """conv_bn_relu: the ReLU runs inside the native call (fused into oneDNN's BatchNorm, its mask kept for the
+    gradient), and gives nn.Conv2d + nn.BatchNorm2d + nn.ReLU's output, statistics and gradients."""
+    check_convolution_with_batchnorm(case, mode, False, blocked=blocked, relu=True)
+
+
+def check_convolution_with_batchnorm(case, mode, deferred: bool, blocked: bool, relu: bool = False) -> None:
     ms.set_context(mode=mode)
     ci, co, k, s, p, h = case
     plain, native = conv_pair(ci, co, k, s, p)
@@ -276,8 +291,8 @@ def check_convolution_with_batchnorm(case, mode, deferred: bool, blocked: bool) 
     x = rng.standard_normal((4, ci, h, h)).astype(np.float32)
     out_h = (h + 2 * p - k) // s + 1
     upstream = rng.standard_normal((4, co, out_h, out_h)).astype(np.float32)
-    expected, expected_start = conv_batchnorm_results(plain, norms[0], x, upstream)
-    actual, actual_start = conv_batchnorm_results(native, norms[1], x, upstream, blocked)
+    expected, expected_start = conv_batchnorm_results(plain, norms[0], x, upstream, relu=relu)
+    actual, actual_start = conv_batchnorm_results(native, norms[1], x, upstream, blocked, relu)
     for before, after in zip(expected_start, actual_start):
         assert rel_diff(after, before) < 1e-5
     names = ["y", "moving_mean", "moving_variance", "dx", "dw", "dgamma", "dbeta"]
