@@ -539,6 +539,14 @@ class Runtime {
     stream_.wait();
   }
 
+  // fn(begin, end) over [0, count) in chunks, on the pool's threads (element-wise passes over activations).
+  void ForChunks(int64_t count, const std::function<void(int64_t, int64_t)> &fn) {
+    constexpr int64_t kChunk = 1 << 16;
+    executor_.pool.parallel_for(static_cast<int>((count + kChunk - 1) / kChunk), [&](int chunk, int) {
+      fn(chunk * kChunk, std::min(count, (chunk + 1) * kChunk));
+    });
+  }
+
   // ReLU then ResNet's stem max pool (training), on channel blocks: y = max(0, the window's maximum), which is
   // the maximum over the ReLU's outputs, and needs ReLU on only a quarter of the numbers. oneDNN's pooling leaves
   // each output's argmax in `workspace` (workspace_bytes long) for the gradient; padding never wins, as in torch.
@@ -556,8 +564,9 @@ class Runtime {
                                    {DNNL_ARG_SCRATCHPAD, Scratchpad(plan.forward_scratchpad)}});
     stream_.wait();
     float *out = static_cast<float *>(y);
-    const int64_t count = static_cast<int64_t>(plan.dst.get_size() / sizeof(float));
-    for (int64_t i = 0; i < count; ++i) out[i] = out[i] < 0.0f ? 0.0f : out[i];  // keeps NaN, as torch's ReLU
+    ForChunks(static_cast<int64_t>(plan.dst.get_size() / sizeof(float)), [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) out[i] = out[i] < 0.0f ? 0.0f : out[i];  // keeps NaN, as torch's ReLU
+    });
   }
 
   // ReluMaxPoolForward's input gradient: dy where y > 0 (the ReLU's gradient; written to masked_dy, of y's size),
@@ -568,8 +577,9 @@ class Runtime {
     const PoolPlan &plan = GetPoolPlan(src_dims, dst_dims, kernel, stride, padding);
     const float *gradient = static_cast<const float *>(dy), *out = static_cast<const float *>(y);
     float *masked = static_cast<float *>(masked_dy);
-    const int64_t count = static_cast<int64_t>(plan.dst.get_size() / sizeof(float));
-    for (int64_t i = 0; i < count; ++i) masked[i] = out[i] > 0.0f ? gradient[i] : 0.0f;
+    ForChunks(static_cast<int64_t>(plan.dst.get_size() / sizeof(float)), [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) masked[i] = out[i] > 0.0f ? gradient[i] : 0.0f;
+    });
     plan.backward.execute(stream_, {{DNNL_ARG_DIFF_DST, memory(plan.dst, engine_, masked_dy)},
                                     {DNNL_ARG_DIFF_SRC, memory(plan.src, engine_, dx)},
                                     {DNNL_ARG_WORKSPACE, memory(plan.workspace, engine_, workspace)},
