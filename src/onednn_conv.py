@@ -146,7 +146,7 @@ def _forward_op(stride: int, padding: int) -> ops.Custom:
 
 @functools.lru_cache(maxsize=None)
 def relu_mask_bytes(y_shape: Tuple[int, int, int, int]) -> int:
-    """Bytes of the mask a conv+BatchNorm call with ReLU keeps for its gradient, for an output of y_shape."""
+    """Bytes of the mask a conv+BatchNorm call returns for its ReLU's gradient, for an output of y_shape."""
     count = ctypes.CDLL(usable_library()).onednn_conv_relu_mask_bytes
     count.restype = ctypes.c_int64
     count.argtypes = [ctypes.c_int64] * 4
