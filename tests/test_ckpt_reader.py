@@ -106,17 +106,19 @@ def test_a_foreign_file_is_not_a_checkpoint(tmp_path, content):
 @pytest.mark.slow
 def test_a_file_larger_than_available_memory_is_refused_with_the_numbers(tmp_path, cifar_dir):
     """A sparse file (no disk used) larger than MemAvailable: eval.py says it lacks memory, not that the file is
-    damaged, in one line, before reading anything."""
-    available = available_memory()
-    assert available, "/proc/meminfo has no MemAvailable"
+    damaged, in one line, before reading anything. The file is larger than MemTotal, so that it stays larger than
+    MemAvailable while other processes (the other test worker) free memory."""
+    assert available_memory(), "/proc/meminfo has no MemAvailable"
+    total = [int(line.split()[1]) * 1024 for line in open("/proc/meminfo") if line.startswith("MemTotal:")][0]
+    size = total + 2048 * MB
     path = tmp_path / "huge.ckpt"
     with open(path, "wb") as handle:
-        handle.truncate(available + 2048 * MB)
+        handle.truncate(size)
     process = run_script("eval.py", ["--checkpoint_path", str(path), "--data_path", str(cifar_dir), "--model_name",
                                      "resnet18", "--image_height", "32", "--image_width", "32"], timeout=300)
     line = assert_one_line_error(process, "not enough memory", str(path), "MemAvailable", "not at fault")
     assert "damaged" not in line
-    assert f"it holds {(available + 2048 * MB) / MB:.0f} MB" in line
+    assert f"it holds {size / MB:.0f} MB" in line
 
 
 ALLOCATION_FAILS = r"""
