@@ -280,18 +280,28 @@ bool Brgemm(const dnnl::matmul::primitive_desc &pd) { return std::strncmp(pd.imp
 
 // An inference matmul with its weights in the layout oneDNN runs fastest: its own choice, except where that is
 // its GEMM without AVX-512, which ran (32 x K) x (K x N) products 1.2-1.8x faster on weights stored as (N, K) rows
-// (read transposed) than on its choice of (K, N) rows (a standalone oneDNN timing, two threads).
-dnnl::matmul::primitive_desc InferenceMatmul(const dnnl::engine &engine, const memory::desc &src,
-                                             const memory::dims &weights, const memory::desc &bias,
-                                             const memory::desc &dst, const dnnl::primitive_attr &attr) {
+// (read transposed) than on its choice of (K, N) rows (a standalone oneDNN timing, two threads). nullopt where
+// oneDNN has none for the shape and attributes, or only its reference kernel.
+std::optional<dnnl::matmul::primitive_desc> InferenceMatmul(const dnnl::engine &engine, const memory::desc &src,
+                                                            const memory::dims &weights, const memory::desc &bias,
+                                                            const memory::desc &dst,
+                                                            const dnnl::primitive_attr &attr) {
   const auto f32 = memory::data_type::f32;
-  auto pd = dnnl::matmul::primitive_desc(engine, src, memory::desc(weights, f32, tag::any), bias, dst, attr);
-  if (ChannelBlock() == 16 || Brgemm(pd)) return pd;
+  dnnl::matmul::primitive_desc pd;
   try {
-    auto transposed = dnnl::matmul::primitive_desc(engine, src, memory::desc(weights, f32, tag::ba), bias, dst, attr);
-    if (std::strncmp(transposed.impl_info_str(), "ref", 3) != 0) return transposed;
+    pd = dnnl::matmul::primitive_desc(engine, src, memory::desc(weights, f32, tag::any), bias, dst, attr);
   } catch (const dnnl::error &) {
+    return std::nullopt;
   }
+  if (ChannelBlock() != 16 && !Brgemm(pd)) {
+    try {
+      auto transposed =
+          dnnl::matmul::primitive_desc(engine, src, memory::desc(weights, f32, tag::ba), bias, dst, attr);
+      if (std::strncmp(transposed.impl_info_str(), "ref", 3) != 0) return transposed;
+    } catch (const dnnl::error &) {
+    }
+  }
+  if (std::strncmp(pd.impl_info_str(), "ref", 3) == 0) return std::nullopt;
   return pd;
 }
 
@@ -324,6 +334,14 @@ std::optional<PixelWindow> OutputPixelWindow(const memory::desc &x, const memory
                      memory::desc({weights[0], weights[1], rows, cols}, f32, tag::abcd)};
 }
 
+// A pool's right/bottom padding that gives exactly dst_dims, as torch computes it.
+memory::dims PoolingPaddingR(const memory::dims &src_dims, const memory::dims &dst_dims, int kernel, int stride,
+                             int padding) {
+  memory::dims padding_r;
+  for (int i = 2; i < 4; ++i) padding_r.push_back((dst_dims[i] - 1) * stride + kernel - src_dims[i] - padding);
+  return padding_r;
+}
+
 // Convolutions on maps so small that every output pixel meets every input pixel, at stride 1: 3x3 kernels with
 // padding 1 on a 2x2 map (layer3 at 32x32 inputs with the ImageNet stem). Each sample's whole input (C x H x W
 // numbers in its layout) times a (C x H x W, O x Ho x Wo) matrix that holds, for each (input pixel, output pixel)
@@ -338,6 +356,9 @@ struct PixelPairs {
 
   int64_t columns() const { return in * pixels_in; }  // the matrix's rows are the output's numbers, columns x's
   int64_t rows() const { return out * pixels_out; }
+  // The row of output channel o at output pixel q, and the output channel of a row.
+  int64_t row(int64_t o, int64_t q) const { return ((o / y_run) * pixels_out + q) * y_run + o % y_run; }
+  int64_t channel(int64_t row) const { return row / (pixels_out * y_run) * y_run + row % y_run; }
 };
 
 // The pairs for logical NCHW src / dst dims and OIHW weights, or nullopt where the stride is not 1, the input is one
@@ -372,7 +393,7 @@ void ExpandPixelPairs(const PixelPairs &pairs, const float *weights, float *matr
       for (int64_t t = 0; t < pairs.taps; ++t) by_tap[t * pairs.in + c] = kernels[c * pairs.taps + t];
     }
     for (int64_t q = 0; q < pairs.pixels_out; ++q) {
-      float *row = matrix + (((o / pairs.y_run) * pairs.pixels_out + q) * pairs.y_run + o % pairs.y_run) * k;
+      float *row = matrix + pairs.row(o, q) * k;
       for (int64_t run = 0; run < runs; ++run) {
         for (int64_t p = 0; p < pairs.pixels_in; ++p) {
           const float *from = by_tap.data() + pairs.pair_taps[q * pairs.pixels_in + p] * pairs.in + run * pairs.x_run;
@@ -390,8 +411,7 @@ void FoldPixelPairs(const PixelPairs &pairs, const float *matrix_gradient, float
   pool.parallel_for(static_cast<int>(pairs.out), [&](int o, int) {
     std::vector<float> by_tap(static_cast<size_t>(pairs.taps * pairs.in), 0.0f);
     for (int64_t q = 0; q < pairs.pixels_out; ++q) {
-      const float *row =
-          matrix_gradient + (((o / pairs.y_run) * pairs.pixels_out + q) * pairs.y_run + o % pairs.y_run) * k;
+      const float *row = matrix_gradient + pairs.row(o, q) * k;
       for (int64_t run = 0; run < runs; ++run) {
         for (int64_t p = 0; p < pairs.pixels_in; ++p) {
           float *to = by_tap.data() + pairs.pair_taps[q * pairs.pixels_in + p] * pairs.in + run * pairs.x_run;
@@ -935,8 +955,7 @@ class Runtime {
     if (found != pools_.end()) return found->second;
     const memory::desc src(src_dims, memory::data_type::f32, BlockedTag());
     const memory::desc dst(dst_dims, memory::data_type::f32, BlockedTag());
-    memory::dims padding_r;  // the right/bottom padding that gives exactly dst_dims, as torch computes it
-    for (int i = 2; i < 4; ++i) padding_r.push_back((dst_dims[i] - 1) * stride + kernel - src_dims[i] - padding);
+    const memory::dims padding_r = PoolingPaddingR(src_dims, dst_dims, kernel, stride, padding);
     dnnl::primitive_attr attr;
     attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
     auto forward = dnnl::pooling_forward::primitive_desc(
@@ -1173,9 +1192,7 @@ class InferenceRuntime {
           plain_weights = memory(plan.source_weights_desc, engine_, matrix);
           float *repeated = static_cast<float *>(packed.bias->Get(plan.bias_desc.get_size()));
           const float *per_channel = static_cast<const float *>(bias);
-          for (int64_t row = 0; row < pairs.rows(); ++row) {
-            repeated[row] = per_channel[row / (pairs.pixels_out * pairs.y_run) * pairs.y_run + row % pairs.y_run];
-          }
+          for (int64_t row = 0; row < pairs.rows(); ++row) repeated[row] = per_channel[pairs.channel(row)];
         }
         dnnl::reorder(plain_weights, kernel_weights).execute(stream_, plain_weights, kernel_weights);
         packed.version = key.version;
@@ -1212,8 +1229,7 @@ class InferenceRuntime {
     auto key = std::make_tuple(src_dims, dst_dims, static_cast<int>(layout), kernel, stride, padding);
     auto found = pools_.find(key);
     if (found == pools_.end()) {
-      memory::dims padding_r;  // the right/bottom padding that gives exactly dst_dims, as torch computes it
-      for (int i = 2; i < 4; ++i) padding_r.push_back((dst_dims[i] - 1) * stride + kernel - src_dims[i] - padding);
+      const memory::dims padding_r = PoolingPaddingR(src_dims, dst_dims, kernel, stride, padding);
       dnnl::primitive_attr attr;
       attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
       auto pd = dnnl::pooling_forward::primitive_desc(
@@ -1274,15 +1290,10 @@ class InferenceRuntime {
     // window's (in x taps, out) matrix.
     const memory::desc source = one_pixel ? TapAsInOut(in, out, w[2] * w[3])
                                           : memory::desc({k, out}, f32, memory::dims{1, k});
-    dnnl::matmul::primitive_desc pd;
-    try {
-      pd = InferenceMatmul(engine_, src, {k, out}, bias, dst, InferenceAttr(shape.post, dst));
-    } catch (const dnnl::error &) {
-      return std::nullopt;
-    }
-    if (std::strncmp(pd.impl_info_str(), "ref", 3) == 0) return std::nullopt;
+    const auto pd = InferenceMatmul(engine_, src, {k, out}, bias, dst, InferenceAttr(shape.post, dst));
+    if (!pd) return std::nullopt;
     const int64_t pad = shape.padding[0];
-    InferencePlan plan{dnnl::matmul(pd), src, pd.weights_desc(), bias, dst, pd.scratchpad_desc(), {}, source,
+    InferencePlan plan{dnnl::matmul(*pd), src, pd->weights_desc(), bias, dst, pd->scratchpad_desc(), {}, source,
                        one_pixel ? pad * w[3] + pad : 0};
     if (one_pixel) return plan;
     plan.gather_from = window->x_view, plan.gather_to = window->x_dense;
@@ -1303,14 +1314,9 @@ class InferenceRuntime {
     const auto f32 = memory::data_type::f32;
     const int64_t batch = shape.src[0], k = pairs->columns(), rows = pairs->rows();
     memory::desc src({batch, k}, f32, tag::ab), bias({1, rows}, f32, tag::ab), dst({batch, rows}, f32, tag::ab);
-    dnnl::matmul::primitive_desc pd;
-    try {
-      pd = InferenceMatmul(engine_, src, {k, rows}, bias, dst, InferenceAttr(shape.post, dst));
-    } catch (const dnnl::error &) {
-      return std::nullopt;
-    }
-    if (std::strncmp(pd.impl_info_str(), "ref", 3) == 0) return std::nullopt;
-    InferencePlan plan{dnnl::matmul(pd), src, pd.weights_desc(), bias, dst, pd.scratchpad_desc(), {},
+    const auto pd = InferenceMatmul(engine_, src, {k, rows}, bias, dst, InferenceAttr(shape.post, dst));
+    if (!pd) return std::nullopt;
+    InferencePlan plan{dnnl::matmul(*pd), src, pd->weights_desc(), bias, dst, pd->scratchpad_desc(), {},
                        memory::desc({k, rows}, f32, memory::dims{1, k}), 0};
     plan.pairs = pairs;
     return plan;
