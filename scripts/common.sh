@@ -58,17 +58,23 @@ config_value() {
     PYTHONPATH="$REPO_DIR${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON_BIN" -m src.model_utils.config "$key" "$@" || exit 2
 }
 
-# A directory whose `python` runs PYTHON_BIN, put first on PATH: msrun starts workers with the bare word.
-# It is a script that execs PYTHON_BIN, not a symlink: Python finds its virtualenv from the pyvenv.cfg beside
-# the path it was started by, so a symlink to venv/bin/python elsewhere starts the base interpreter.
+# msrun starts workers with the bare word `python`: put one that runs PYTHON_BIN first on PATH. When PYTHON_BIN
+# is itself named python (a virtualenv's bin/python), that is its own folder. Otherwise it is a new folder
+# (SHIM_DIR, removed by the launcher's exit trap) holding a script that execs PYTHON_BIN, not a symlink: Python
+# finds its virtualenv from the pyvenv.cfg beside the path it was started by, so a symlink to venv/bin/python3
+# elsewhere starts the base interpreter.
 # shellcheck disable=SC2034  # SHIM_DIR is removed by the launcher's exit trap
 put_python_first_on_path() {
-    local shim_dir
-    shim_dir="$(mktemp -d)"
-    printf '#!%s\nexec %q "$@"\n' "$BASH" "$PYTHON_BIN" > "$shim_dir/python"
-    chmod +x "$shim_dir/python"
-    export PATH="$shim_dir:$PATH"
-    SHIM_DIR="$shim_dir"
+    SHIM_DIR=""
+    if [[ "$(basename "$PYTHON_BIN")" == python ]]; then
+        PATH="$(cd "$(dirname "$PYTHON_BIN")" && pwd):$PATH"
+        export PATH
+        return 0
+    fi
+    SHIM_DIR="$(mktemp -d)"
+    printf '#!%s\nexec %q "$@"\n' "$BASH" "$PYTHON_BIN" > "$SHIM_DIR/python"
+    chmod +x "$SHIM_DIR/python"
+    export PATH="$SHIM_DIR:$PATH"
 }
 
 free_port() {

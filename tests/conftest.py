@@ -59,13 +59,24 @@ def mindspore_mode_restored():
     ms.set_context(mode=mode)
 
 
+def memory_lock_path() -> Path:
+    """The lock file of memory_heavy, one per test run: xdist's workers are children of the run's main process."""
+    run = os.getppid() if "PYTEST_XDIST_WORKER" in os.environ else os.getpid()
+    return Path(tempfile.gettempdir()) / f"resnet-tests-{run}.memory.lock"
+
+
+def pytest_sessionfinish(session) -> None:
+    """The run's main process, which ends after its workers, removes the lock file they shared."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        memory_lock_path().unlink(missing_ok=True)
+
+
 @contextlib.contextmanager
 def memory_heavy() -> Iterator[None]:
     """Runs its block while no other test process of this run is inside such a block: the parts of the suite
     that need several GB at once (msrun jobs, the deep parity networks, the filled page cache) take turns, so
     that the two test processes together stay well inside the machine's memory."""
-    run = os.environ.get("PYTEST_XDIST_TESTRUNUID", str(os.getpid()))
-    with open(Path(tempfile.gettempdir()) / f"resnet-tests-{run}.memory.lock", "w") as lock:
+    with open(memory_lock_path(), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
             yield

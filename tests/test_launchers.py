@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -189,11 +190,12 @@ def fresh_venv(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def two_worker_run(cifar_dir, tmp_path_factory, decoy_path, fresh_venv):
     """One uninterrupted 2-worker run, started from a new virtualenv's interpreter with a decoy `python` first on
-    PATH, shared by the tests below."""
+    PATH, shared by the tests below. The interpreter is bin/python3, so the launcher needs its `python` wrapper
+    (the other tests run bin/python, whose own folder goes first on PATH)."""
     out = tmp_path_factory.mktemp("two-workers") / "out"
     with memory_heavy():
         process = launch("run_distribute_train.sh", [2, cifar_dir, "--output_path", out, *DISTRIBUTED_ARGS],
-                         env=launcher_env(PATH=decoy_path, PYTHON=str(fresh_venv)))
+                         env=launcher_env(PATH=decoy_path, PYTHON=f"{fresh_venv}3"))
     assert process.returncode == 0, process.stdout[-3000:] + process.stderr[-3000:]
     return out, process
 
@@ -201,9 +203,12 @@ def two_worker_run(cifar_dir, tmp_path_factory, decoy_path, fresh_venv):
 @pytest.mark.slow
 def test_workers_run_the_virtualenvs_interpreter(two_worker_run, fresh_venv):
     out, process = two_worker_run
-    assert f"with {fresh_venv}" in process.stdout
+    assert f"with {fresh_venv}3" in process.stdout
     for rank in (0, 1):
-        assert f"python {fresh_venv}, MindSpore" in (out / "msrun_log" / f"worker_{rank}.log").read_text()
+        assert f"python {fresh_venv}3, MindSpore" in (out / "msrun_log" / f"worker_{rank}.log").read_text()
+    wrappers = [path for path in Path(tempfile.gettempdir()).glob("tmp.*/python")
+                if str(fresh_venv) in path.read_text()]
+    assert wrappers == [], "the launcher left its python wrapper"
 
 
 @pytest.mark.slow
