@@ -1625,8 +1625,9 @@ int LaunchConvBnForward(int stride, int padding, int nparam, void **params, int 
 }
 
 // params: dy, conv_out, mean, variance, gamma, (eps, momentum), layouts (as the forward's), x, weights, the
-// forward's ReLU mask, then the outputs dx, dw, dgamma, dbeta and the convolution's output gradient (dy's shape, channel blocks: working memory
-// that MindSpore allocates and reuses once the call is done, where a buffer of the library's would stay).
+// forward's ReLU mask, then the outputs dx, dw, dgamma, dbeta and the convolution's output gradient (dy's shape,
+// channel blocks: working memory that MindSpore allocates and reuses once the call is done, where a buffer of the
+// library's would stay).
 int LaunchConvBnBackward(bool defer_input, int stride, int padding, int nparam, void **params, int *ndims,
                          int64_t **shapes, const char **dtypes) {
   const char *what = "onednn_conv conv+batchnorm gradient";
