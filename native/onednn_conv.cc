@@ -1844,6 +1844,22 @@ Step ChooseStep(Step avx512, Step avx2, Step baseline) {
   return bits == 512 ? avx512 : bits == 256 ? avx2 : baseline;
 }
 
+// The residual addition and the ReLU after it (training, element-wise, so in any layout): y = max(0, a + b), NaN
+// kept; and the gradient of both inputs from the output: 0 where y <= 0, else dy. Both as torch's ReLU (whose
+// gradient passes on where the output is NaN).
+#define ADD_RELU_ARGS const float *__restrict a, const float *__restrict b, float *__restrict y, int64_t count
+#define ADD_RELU_LOOP                        \
+  for (int64_t i = 0; i < count; ++i) {      \
+    const float sum = a[i] + b[i];           \
+    y[i] = sum < 0.0f ? 0.0f : sum;          \
+  }
+#define RELU_GRADIENT_ARGS \
+  const float *__restrict dy, const float *__restrict y, float *__restrict dx, int64_t count
+#define RELU_GRADIENT_LOOP \
+  for (int64_t i = 0; i < count; ++i) dx[i] = y[i] <= 0.0f ? 0.0f : dy[i];
+DEFINE_STEP_VARIANTS(AddReluPass, ADD_RELU_ARGS, ADD_RELU_LOOP)
+DEFINE_STEP_VARIANTS(ReluGradientPass, RELU_GRADIENT_ARGS, RELU_GRADIENT_LOOP)
+
 // One block of B output channels of an ABcd{B}b{B}a weight gradient ([in block][tap][in][out] within it) in OIHW
 // order ([out][in][tap]): the rows of the plain tensor it holds. Cache-sized, so the scattered stores stay in cache.
 #define BLOCK_TO_ROWS_ARGS const float *__restrict src, float *__restrict dst, int64_t in_blocks, int64_t taps
@@ -2030,6 +2046,30 @@ int LaunchAdamUpdate(int nparam, void **params, int *ndims, int64_t **shapes, co
   });
 }
 
+// params: two float32 (N, C, H, W) tensors of one shape, then the output of that shape: out = pass(first,
+// second), element-wise on the pool's threads (AddRelu: a, b -> y; ReluGradient: dy, y -> dx).
+template <class Pass>
+int LaunchElementwise(const char *what, Pass pass, int nparam, void **params, int *ndims, int64_t **shapes,
+                      const char **dtypes) {
+  const int wanted_ndims[] = {4, 4, 4};
+  const char *const wanted_dtypes[] = {"float32", "float32", "float32"};
+  if (!CheckTensors(what, nparam, 3, ndims, dtypes, wanted_ndims, wanted_dtypes)) return 1;
+  if (Dims(shapes[0]) != Dims(shapes[1]) || Dims(shapes[0]) != Dims(shapes[2])) {
+    std::fprintf(stderr, "%s: the inputs and the output must have one shape\n", what);
+    return 1;
+  }
+  const memory::dims dims = Dims(shapes[0]);
+  const int64_t count = dims[0] * dims[1] * dims[2] * dims[3];
+  const float *first = static_cast<const float *>(params[0]), *second = static_cast<const float *>(params[1]);
+  float *out = static_cast<float *>(params[2]);
+  return Guarded(what, [&] {
+    auto lock = Executor::Get().Begin();
+    Runtime::Get().ForChunks(count, [&](int64_t begin, int64_t end) {
+      pass(first + begin, second + begin, out + begin, end - begin);
+    });
+  });
+}
+
 // Momentum SGD with L2 weight decay in one pass, in place: nn.Momentum's decay and ApplyMomentum (nesterov
 // false), or nn.SGD's decay and SGD kernel with nesterov (and its per-element first-step flags, stat).
 // params: lr, momentum, decays, layers, then n weights, n accumulators, (nesterov: n stat tensors,) n gradients,
@@ -2152,6 +2192,17 @@ extern "C" int MomentumUpdate(int nparam, void **params, int *ndims, int64_t **s
 extern "C" int NesterovSgdUpdate(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
                                  void *, void *) {
   return LaunchMomentumUpdate(true, nparam, params, ndims, shapes, dtypes);
+}
+
+// Training: the residual addition and its ReLU, and their gradient (LaunchElementwise).
+extern "C" int AddRelu(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes, void *, void *) {
+  static const auto pass = ChooseStep(AddReluPassAvx512, AddReluPassAvx2, AddReluPassBaseline);
+  return LaunchElementwise("onednn_conv add and relu", pass, nparam, params, ndims, shapes, dtypes);
+}
+extern "C" int ReluGradient(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes, void *,
+                            void *) {
+  static const auto pass = ChooseStep(ReluGradientPassAvx512, ReluGradientPassAvx2, ReluGradientPassBaseline);
+  return LaunchElementwise("onednn_conv relu gradient", pass, nparam, params, ndims, shapes, dtypes);
 }
 
 // ResNet's stem pool (kernel 3, stride 2, padding 1).

@@ -316,6 +316,32 @@ class ReluMaxPool(nn.Cell):
         return self.op(x)[0]
 
 
+@functools.lru_cache(maxsize=None)
+def _add_relu_op() -> ops.Custom:
+    """relu(a + b) element-wise in one native pass (the residual addition and its ReLU, in any layout), for training;
+    the gradient of both inputs, 0 where the output is <= 0 and dy elsewhere (as torch's), in one more, as bprop."""
+    library = usable_library()
+    gradient = ops.Custom(f"{library}:ReluGradient", lambda dy, y: dy, lambda dy, y: dy, func_type="aot")
+
+    def bprop(a, b, out, dout):
+        da = gradient(dout, out)
+        return da, da
+
+    return ops.Custom(f"{library}:AddRelu", lambda a, b: a, lambda a, b: a, func_type="aot", bprop=bprop)
+
+
+class AddRelu(nn.Cell):
+    """relu(a + b) for two float32 (N, C, H, W) activations of one shape, in one native call (a residual block's end
+    in training, on channel blocks); so is its gradient. MindSpore's Add and ReLU read and write the sum twice."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.op = _add_relu_op()
+
+    def construct(self, a, b):
+        return self.op(a, b)
+
+
 def _symmetric_padding(cell: nn.Conv2d) -> Optional[int]:
     if cell.pad_mode == "valid":
         return 0
@@ -358,6 +384,11 @@ class BlockedConv2d(nn.Conv2d):
     def relu_max_pool_cell() -> ReluMaxPool:
         """A cell that runs ReLU and the imagenet stem's max pool on channel blocks (training)."""
         return ReluMaxPool()
+
+    @staticmethod
+    def add_relu_cell() -> AddRelu:
+        """A cell that runs a residual block's addition and ReLU on channel blocks (training)."""
+        return AddRelu()
 
     def defer_input_gradient(self) -> None:
         """with_batchnorm computes the gradient of x in a native call of its own, which the graph drops where

@@ -90,6 +90,12 @@ def conv_bn(conv: nn.Conv2d, bn: nn.BatchNorm2d, x, blocked: bool = False, block
     return bn(conv(x))
 
 
+def residual_add_relu(conv: ConvClass) -> Optional[nn.Cell]:
+    """The cell a block's training step on channel blocks ends with, relu(out + identity) in one native call, where
+    the convolution class has one (BlockedConv2d); None: MindSpore's add and ReLU."""
+    return conv.add_relu_cell() if hasattr(conv, "add_relu_cell") else None
+
+
 def conv_bn_relu(conv: nn.Conv2d, bn: nn.BatchNorm2d, relu: nn.Cell, x, blocked: bool = False):
     """relu(bn(conv(x))); a convolution that can run its BatchNorm itself runs the ReLU in the same call."""
     if hasattr(conv, "with_batchnorm"):
@@ -112,6 +118,7 @@ class BasicBlock(nn.Cell):
         self.conv2 = conv3x3(planes, planes, conv=conv)
         self.bn2 = batch_norm(planes, variant.block_bn_eps)
         self.downsample = downsample
+        self.add_relu = residual_add_relu(conv)
 
     def last_bn(self) -> nn.BatchNorm2d:
         return self.bn2
@@ -126,6 +133,8 @@ class BasicBlock(nn.Cell):
         out = conv_bn(self.conv2, self.bn2, out, blocked)
         if self.downsample is not None:
             identity = conv_bn(self.downsample[0], self.downsample[1], x, blocked)
+        if blocked and self.add_relu is not None:
+            return self.add_relu(out, identity)
         return self.relu(out + identity)
 
 
@@ -146,6 +155,7 @@ class Bottleneck(nn.Cell):
         self.bn3 = batch_norm(planes * self.expansion, variant.block_bn_eps)
         self.relu = nn.ReLU()
         self.downsample = downsample
+        self.add_relu = residual_add_relu(conv)
 
     def last_bn(self) -> nn.BatchNorm2d:
         return self.bn3
@@ -160,6 +170,8 @@ class Bottleneck(nn.Cell):
         out = conv_bn(self.conv3, self.bn3, out, blocked)
         if self.downsample is not None:
             identity = conv_bn(self.downsample[0], self.downsample[1], x, blocked)
+        if blocked and self.add_relu is not None:
+            return self.add_relu(out, identity)
         return self.relu(out + identity)
 
 

@@ -328,6 +328,33 @@ def test_relu_max_pool_equals_torch(size, mode):
     np.testing.assert_allclose(dx, images.grad.numpy(), rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("mode", [ms.GRAPH_MODE, ms.PYNATIVE_MODE], ids=["graph", "pynative"])
+def test_add_relu_equals_torch(mode):
+    """The native residual addition + ReLU gives torch's relu(a + b), forward and the gradient of both inputs, on
+    small integers (sums of exactly zero, whose gradient is zero as in torch), with NaN kept (and its gradient
+    passed on, as torch's); a size that is not a multiple of the pool's chunks or of a vector."""
+    import torch
+    from src.onednn_conv import AddRelu
+    ms.set_context(mode=mode)
+    rng = np.random.default_rng(7)
+    a, b = (rng.integers(-3, 4, (3, 16, 37, 29)).astype(np.float32) for _ in range(2))
+    a[0, 0, 0, :2] = np.nan
+    upstream = rng.standard_normal(a.shape).astype(np.float32)
+    add_relu = AddRelu()
+
+    def objective(first, second):
+        return (add_relu(first, second) * ms.Tensor(upstream)).sum()
+    y = add_relu(ms.Tensor(a), ms.Tensor(b)).asnumpy()
+    da, db = ms.grad(objective, grad_position=(0, 1))(ms.Tensor(a), ms.Tensor(b))
+    first, second = torch.tensor(a, requires_grad=True), torch.tensor(b, requires_grad=True)
+    expected = torch.relu(first + second)
+    (expected * torch.tensor(upstream)).sum().backward()
+    np.testing.assert_array_equal(y, expected.detach().numpy())
+    assert np.isnan(y[0, 0, 0, :2]).all()
+    np.testing.assert_array_equal(da.asnumpy(), first.grad.numpy())
+    np.testing.assert_array_equal(db.asnumpy(), second.grad.numpy())
+
+
 def test_batchnorm_fusion_falls_back_where_it_cannot_run():
     """In inference mode, and for channels that don't fill whole blocks (of 8 or 16), conv_bn runs the two cells."""
     ms.set_context(mode=ms.GRAPH_MODE)

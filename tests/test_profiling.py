@@ -15,7 +15,7 @@ from src.utils import RunEnv
 # ResNet-18 has 20 convolutions; 40 images in batches of 8 give 5 steps: compile, warm-up, 3 recorded.
 RUN = ["--model_name", "resnet18", "--batch_size", "8", "--train_num_samples", "40", "--eval_num_samples", "8",
        "--epoch_size", "1", *FAST_ARGS]
-CONVS_PER_STEP = 20
+CONVS_PER_STEP, BLOCKS_PER_STEP = 20, 8
 
 
 def metrics(folder: Path):
@@ -42,11 +42,13 @@ def test_profiler_writes_analysed_op_table_and_timeline(profiled):
     log = (out / "train.log").read_text()
     # Exactly the 3 recorded steps, not the compiling nor the warm-up step. MindSpore's convolutions run one
     # BatchNorm op per convolution; onednn_blocked runs each convolution and its BatchNorm as one Custom op
-    # forward and one backward, plus the 4 reorders of the activations into and out of channel blocks (2
-    # forward, 2 in the gradient), and Adam as one Custom op (the native update) instead of MindSpore's.
+    # forward and one backward, plus the stem's ReLU and max pool and the reorder out of channel blocks (one op
+    # forward and one in the gradient each), each block's residual addition and ReLU (the same), and Adam as one
+    # Custom op (the native update) instead of MindSpore's. No ReLU is left to MindSpore.
     if "convolutions: onednn_blocked" in log:
         assert "BatchNorm" not in table and "BatchNormGrad" not in table and "Adam" not in table
-        assert int(table["Custom"]["type_occurrences"]) == 3 * (2 * CONVS_PER_STEP + 4 + 1)
+        assert "ReLU" not in table and "ReluGrad" not in table
+        assert int(table["Custom"]["type_occurrences"]) == 3 * (2 * CONVS_PER_STEP + 4 + 2 * BLOCKS_PER_STEP + 1)
     else:
         assert float(table["Adam"]["total_compute_time"]) > 0
         assert float(table["BatchNormGrad"]["total_compute_time"]) > 0
