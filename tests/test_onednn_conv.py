@@ -328,7 +328,8 @@ def test_relu_max_pool_equals_torch(size, mode):
     np.testing.assert_allclose(dx, images.grad.numpy(), rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("mode", [ms.GRAPH_MODE, ms.PYNATIVE_MODE], ids=["graph", "pynative"])
+@pytest.mark.parametrize("mode", [pytest.param(ms.GRAPH_MODE, marks=pytest.mark.slow), ms.PYNATIVE_MODE],
+                         ids=["graph", "pynative"])
 def test_add_relu_equals_torch(mode):
     """The native residual addition + ReLU gives torch's relu(a + b), forward and the gradient of both inputs, on
     small integers (sums of exactly zero, whose gradient is zero as in torch), with NaN kept (and its gradient
