@@ -59,16 +59,17 @@ def mindspore_mode_restored():
     ms.set_context(mode=mode)
 
 
-def memory_lock_path() -> Path:
-    """The lock file of memory_heavy, one per test run: xdist's workers are children of the run's main process."""
-    run = os.getppid() if "PYTEST_XDIST_WORKER" in os.environ else os.getpid()
-    return Path(tempfile.gettempdir()) / f"resnet-tests-{run}.memory.lock"
+# memory_heavy's lock file, one per test run: named by the run's main process, whose environment its xdist workers
+# (and any pytest a test starts) inherit; that process removes it when the run ends.
+MEMORY_LOCK = "RESNET_TESTS_MEMORY_LOCK"
+OWNS_MEMORY_LOCK = MEMORY_LOCK not in os.environ
+if OWNS_MEMORY_LOCK:
+    os.environ[MEMORY_LOCK] = str(Path(tempfile.gettempdir()) / f"resnet-tests-{os.getpid()}.memory.lock")
 
 
-def pytest_sessionfinish(session) -> None:
-    """The run's main process, which ends after its workers, removes the lock file they shared."""
-    if "PYTEST_XDIST_WORKER" not in os.environ:
-        memory_lock_path().unlink(missing_ok=True)
+def pytest_unconfigure(config) -> None:
+    if OWNS_MEMORY_LOCK:
+        Path(os.environ[MEMORY_LOCK]).unlink(missing_ok=True)
 
 
 @contextlib.contextmanager
@@ -76,7 +77,7 @@ def memory_heavy() -> Iterator[None]:
     """Runs its block while no other test process of this run is inside such a block: the parts of the suite
     that need several GB at once (msrun jobs, the deep parity networks, the filled page cache) take turns, so
     that the two test processes together stay well inside the machine's memory."""
-    with open(memory_lock_path(), "w") as lock:
+    with open(os.environ[MEMORY_LOCK], "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
             yield
