@@ -1265,6 +1265,32 @@ struct InferencePlan {
   bool panels = false;
 };
 
+// One layer of a residual block run in one call (InferenceRuntime::Block).
+struct BlockLayer {
+  void *weights;
+  memory::dims weights_dims;  // OIHW
+  WeightsKey key;
+  void *bias;
+  int64_t stride, padding;
+};
+
+// A layer's output dims (N, C, H, W) from its input's.
+memory::dims ConvolutionOutput(const memory::dims &src, const BlockLayer &layer) {
+  const memory::dims &w = layer.weights_dims;
+  return {src[0], w[0], (src[2] + 2 * layer.padding - w[2]) / layer.stride + 1,
+          (src[3] + 2 * layer.padding - w[3]) / layer.stride + 1};
+}
+
+size_t Bytes(const memory::dims &dims) {
+  return static_cast<size_t>(dims[0] * dims[1] * dims[2] * dims[3]) * sizeof(float);
+}
+
+InferenceShape LayerShape(Layout layout, const memory::dims &src, const memory::dims &dst, const BlockLayer &layer,
+                          PostOp post) {
+  return {src, layer.weights_dims, dst, {layer.stride, layer.stride}, {layer.padding, layer.padding}, post, layout,
+          layout};
+}
+
 class InferenceRuntime {
  public:
   static InferenceRuntime &Get() {
@@ -1337,6 +1363,36 @@ class InferenceRuntime {
     }
     plan.primitive.execute(stream_, args);
     stream_.wait();
+  }
+
+  // A residual block in one call: its main branch's layers (ReLU after each but the last, whose post-op adds the
+  // shortcut and then applies ReLU) and, with a downsample layer, the shortcut's convolution of x; all in `layout`.
+  // One call instead of one per layer saves MindSpore's launch of each layer's op and its bookkeeping.
+  // layers[i]: the (weights, weights key, bias) of layer i and its stride and padding; the downsample is last.
+  void Block(Layout layout, const memory::dims &x_dims, void *x, const std::vector<BlockLayer> &layers,
+             bool downsample, void *out) {
+    std::lock_guard<std::mutex> lock(block_mutex_);  // the intermediate buffers are shared by all blocks
+    const int main = static_cast<int>(layers.size()) - (downsample ? 1 : 0);
+    void *identity = x;
+    if (downsample) {
+      const BlockLayer &layer = layers.back();
+      const memory::dims dims = ConvolutionOutput(x_dims, layer);
+      identity = block_buffers_[2].Get(Bytes(dims));
+      Convolution(LayerShape(layout, x_dims, dims, layer, PostOp::kNone), x, layer.weights, layer.key, layer.bias,
+                  nullptr, identity);
+    }
+    memory::dims dims = x_dims;
+    void *input = x;
+    for (int i = 0; i < main; ++i) {
+      const BlockLayer &layer = layers[i];
+      const bool last = i == main - 1;
+      const memory::dims next = ConvolutionOutput(dims, layer);
+      void *output = last ? out : block_buffers_[i % 2].Get(Bytes(next));
+      Convolution(LayerShape(layout, dims, next, layer, last ? PostOp::kAddRelu : PostOp::kRelu), input,
+                  layer.weights, layer.key, layer.bias, last ? identity : nullptr, output);
+      input = output;
+      dims = next;
+    }
   }
 
   // Max pooling, src and dst in one layout; padded positions never win (as in torch's MaxPool2d).
@@ -1458,6 +1514,8 @@ class InferenceRuntime {
   dnnl::stream &stream_;
   Buffer scratchpad_;
   Buffer columns_, window_;  // gathered input pixels; a window of taps on its way to being packed
+  std::mutex block_mutex_;
+  Buffer block_buffers_[3];  // a block's intermediate outputs, alternately, and its downsampled shortcut
   size_t packed_bytes_ = 0;
   std::map<std::tuple<memory::dims, memory::dims, memory::dims, memory::dims, memory::dims, int, int, int>,
            InferencePlan>
@@ -1762,6 +1820,50 @@ int LaunchInference(PostOp post, int stride, int padding, int nparam, void **par
   return Guarded(what, [&] {
     InferenceRuntime::Get().Convolution(shape, params[0], params[1], {key[0], key[1]}, params[4],
                                         add ? params[5] : nullptr, params[nparam - 1]);
+  });
+}
+
+// params: x, layout (int64: the activations'), geometry (int64: 1 with a downsample layer, else 0; then each
+// layer's stride and padding), then each layer's weights (OIHW), weights key (int64: layer, version) and bias (the
+// main branch in order, then the downsample), then the output.
+int LaunchBlockInference(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes) {
+  const char *what = "onednn_conv block inference";
+  const int count = (nparam - 4) / 3;
+  if (nparam < 10 || (nparam - 4) % 3 != 0) {
+    std::fprintf(stderr, "%s: expected x, layout, geometry, 3 tensors per layer (2 layers or more) and the output, "
+                 "got %d tensors\n", what, nparam);
+    return 1;
+  }
+  std::vector<int> wanted_ndims = {4, 1, 1};
+  std::vector<const char *> wanted_dtypes = {"float32", "int64", "int64"};
+  for (int i = 0; i < count; ++i) {
+    wanted_ndims.insert(wanted_ndims.end(), {4, 1, 1});
+    wanted_dtypes.insert(wanted_dtypes.end(), {"float32", "int64", "float32"});
+  }
+  wanted_ndims.push_back(4);
+  wanted_dtypes.push_back("float32");
+  if (!CheckTensors(what, nparam, nparam, ndims, dtypes, wanted_ndims.data(), wanted_dtypes.data())) return 1;
+  if (shapes[1][0] != 1 || shapes[2][0] != 1 + 2 * count) {
+    std::fprintf(stderr, "%s: the layout must hold 1 number and the geometry %d\n", what, 1 + 2 * count);
+    return 1;
+  }
+  Layout layout;
+  if (!ReadLayout(what, *static_cast<const int64_t *>(params[1]), shapes[0], &layout)) return 1;
+  const int64_t *geometry = static_cast<const int64_t *>(params[2]);
+  std::vector<BlockLayer> layers;
+  for (int i = 0; i < count; ++i) {
+    void **layer = params + 3 + 3 * i;
+    if (shapes[4 + 3 * i][0] != 2) {
+      std::fprintf(stderr, "%s: a weights key must hold 2 numbers (layer, version)\n", what);
+      return 1;
+    }
+    const int64_t *key = static_cast<const int64_t *>(layer[1]);
+    layers.push_back({layer[0], Dims(shapes[3 + 3 * i]), {key[0], key[1]}, layer[2], geometry[1 + 2 * i],
+                      geometry[2 + 2 * i]});
+  }
+  return Guarded(what, [&] {
+    InferenceRuntime::Get().Block(layout, LogicalDims(layout, shapes[0]), params[0], layers, geometry[0] != 0,
+                                  params[nparam - 1]);
   });
 }
 
@@ -2203,6 +2305,12 @@ extern "C" int ReluGradient(int nparam, void **params, int *ndims, int64_t **sha
                             void *) {
   static const auto pass = ChooseStep(ReluGradientPassAvx512, ReluGradientPassAvx2, ReluGradientPassBaseline);
   return LaunchElementwise("onednn_conv relu gradient", pass, nparam, params, ndims, shapes, dtypes);
+}
+
+// Inference: a residual block in one call (LaunchBlockInference).
+extern "C" int BlockInference(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes, void *,
+                              void *) {
+  return LaunchBlockInference(nparam, params, ndims, shapes, dtypes);
 }
 
 // ResNet's stem pool (kernel 3, stride 2, padding 1).

@@ -1,4 +1,5 @@
-"""ResNet inference with one native oneDNN call per layer (CPU, when the blocked convolutions are in use).
+"""ResNet inference with one oneDNN call per layer, a residual block's in one native call (CPU, when the blocked
+convolutions are in use).
 
 `inference_network(net)` rebuilds a trained ResNet for inference as a FusedResNet:
 - each BatchNorm is folded into the convolution before it (its running statistics, as inference uses them):
@@ -83,6 +84,26 @@ def _stem_pool_op(layout: int) -> ops.Custom:
     return ops.Custom(f"{library}:MaxPool_k3_s2_p1", output_shape, output_dtype, func_type="aot")
 
 
+@functools.lru_cache(maxsize=None)
+def _block_op(layout: int, geometry: Tuple[Tuple[int, int], ...], has_downsample: bool) -> ops.Custom:
+    """A residual block in one native call: x, the layout, the geometry tensor, then (weights, weights key, bias) for
+    each layer (the main branch in order, then the downsample); geometry holds each layer's (stride, padding)."""
+    library = usable_library()
+    main = len(geometry) - int(has_downsample)
+
+    def output_shape(x_shape, layout_shape, geometry_shape, *layer_shapes):
+        n, _, h, w = _image_dims(x_shape, layout)
+        for (stride, padding), weights in zip(geometry[:main], layer_shapes[0:3 * main:3]):
+            h = (h + 2 * padding - weights[2]) // stride + 1
+            w = (w + 2 * padding - weights[3]) // stride + 1
+        return _shape_in(layout, n, layer_shapes[3 * (main - 1)][0], h, w)
+
+    def output_dtype(x_dtype, *other_dtypes):
+        return x_dtype
+
+    return ops.Custom(f"{library}:BlockInference", output_shape, output_dtype, func_type="aot")
+
+
 def _layouts(*layouts: int) -> ms.Tensor:
     return ms.Tensor(np.array(layouts, np.int64))
 
@@ -104,6 +125,7 @@ class FusedConv(nn.Cell):
     def __init__(self, conv: BlockedConv2d, post: str, src_layout: int, dst_layout: int) -> None:
         super().__init__()
         self.post = post
+        self.stride, self.padding = conv.blocked_stride, conv.blocked_padding
         self.op = _convolution_op(post, conv.blocked_stride, conv.blocked_padding, src_layout, dst_layout)
         self.layouts = _layouts(src_layout, dst_layout)
         self.weight = ms.Parameter(ms.Tensor(np.zeros(conv.weight.shape, np.float32)), name="weight",
@@ -143,7 +165,8 @@ def _block_pairs(block: nn.Cell) -> List[Tuple[nn.Conv2d, nn.BatchNorm2d]]:
 
 class FusedBlock(nn.Cell):
     """A residual block: ReLU convolutions, then the one that adds the shortcut (itself a convolution or x); all
-    activations in layout."""
+    activations in layout. The whole block runs in one native call (_block_op): a call per layer cost MindSpore's
+    launch of each op."""
 
     def __init__(self, block: nn.Cell, layout: int) -> None:
         super().__init__()
@@ -152,6 +175,11 @@ class FusedBlock(nn.Cell):
         self.last = FusedConvAdd(pairs[-1][0], layout)
         self.has_downsample = block.downsample is not None
         self.downsample = FusedConv(block.downsample[0], "None", layout, layout) if self.has_downsample else None
+        layers = list(self.convs) + [self.last] + ([self.downsample] if self.has_downsample else [])
+        geometry = tuple((layer.stride, layer.padding) for layer in layers)
+        self.op = _block_op(layout, geometry, self.has_downsample)
+        self.layout = _layouts(layout)
+        self.geometry = ms.Tensor(np.array([int(self.has_downsample), *itertools.chain(*geometry)], np.int64))
 
     def load(self, block: nn.Cell, version: int) -> None:
         pairs = _block_pairs(block)
@@ -161,13 +189,13 @@ class FusedBlock(nn.Cell):
             self.downsample.load(block.downsample[0], block.downsample[1], version)
 
     def construct(self, x):
-        identity = x
-        if self.has_downsample:
-            identity = self.downsample(x)
-        out = x
+        layers = ()
         for conv in self.convs:
-            out = conv(out)
-        return self.last(out, identity)
+            layers = layers + (conv.weight, conv.weights_key, conv.bias)
+        layers = layers + (self.last.weight, self.last.weights_key, self.last.bias)
+        if self.has_downsample:  # a constant: the graph keeps one path
+            layers = layers + (self.downsample.weight, self.downsample.weights_key, self.downsample.bias)
+        return self.op(x, self.layout, self.geometry, *layers)
 
 
 class FusedResNet(nn.Cell):
