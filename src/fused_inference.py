@@ -53,6 +53,11 @@ def _shape_in(layout: int, n: int, c: int, h: int, w: int) -> Tuple[int, int, in
     return (n, h, w, c) if layout == NHWC else (n, c, h, w)
 
 
+def _output_size(size: int, kernel: int, stride: int, padding: int) -> int:
+    """A convolution's output rows (or columns) from its input's."""
+    return (size + 2 * padding - kernel) // stride + 1
+
+
 @functools.lru_cache(maxsize=None)
 def _convolution_op(post: str, stride: int, padding: int, src_layout: int, dst_layout: int) -> ops.Custom:
     """The native convolution; its inputs include the layouts (as a tensor), which this op's shapes assume."""
@@ -60,8 +65,8 @@ def _convolution_op(post: str, stride: int, padding: int, src_layout: int, dst_l
 
     def output_shape(x_shape, w_shape, *other_shapes):
         n, _, h, w = _image_dims(x_shape, src_layout)
-        return _shape_in(dst_layout, n, w_shape[0], (h + 2 * padding - w_shape[2]) // stride + 1,
-                         (w + 2 * padding - w_shape[3]) // stride + 1)
+        return _shape_in(dst_layout, n, w_shape[0], _output_size(h, w_shape[2], stride, padding),
+                         _output_size(w, w_shape[3], stride, padding))
 
     def output_dtype(x_dtype, *other_dtypes):
         return x_dtype
@@ -94,8 +99,7 @@ def _block_op(layout: int, geometry: Tuple[Tuple[int, int], ...], has_downsample
     def output_shape(x_shape, layout_shape, geometry_shape, *layer_shapes):
         n, _, h, w = _image_dims(x_shape, layout)
         for (stride, padding), weights in zip(geometry[:main], layer_shapes[0:3 * main:3]):
-            h = (h + 2 * padding - weights[2]) // stride + 1
-            w = (w + 2 * padding - weights[3]) // stride + 1
+            h, w = _output_size(h, weights[2], stride, padding), _output_size(w, weights[3], stride, padding)
         return _shape_in(layout, n, layer_shapes[3 * (main - 1)][0], h, w)
 
     def output_dtype(x_dtype, *other_dtypes):
@@ -118,16 +122,13 @@ def fold_batchnorm(conv: nn.Conv2d, bn: nn.BatchNorm2d) -> Tuple[np.ndarray, np.
     return weights.astype(np.float32), bias.astype(np.float32)
 
 
-class FusedConv(nn.Cell):
-    """Convolution + folded BatchNorm + post-op (None, Relu, or AddRelu: residual addition, then ReLU), from
-    src_layout to dst_layout (the residual has dst_layout)."""
+class FusedLayer(nn.Cell):
+    """A convolution with its BatchNorm folded in: the weights, bias and weights key a native call reads, and the
+    convolution's stride and padding."""
 
-    def __init__(self, conv: BlockedConv2d, post: str, src_layout: int, dst_layout: int) -> None:
+    def __init__(self, conv: BlockedConv2d) -> None:
         super().__init__()
-        self.post = post
         self.stride, self.padding = conv.blocked_stride, conv.blocked_padding
-        self.op = _convolution_op(post, conv.blocked_stride, conv.blocked_padding, src_layout, dst_layout)
-        self.layouts = _layouts(src_layout, dst_layout)
         self.weight = ms.Parameter(ms.Tensor(np.zeros(conv.weight.shape, np.float32)), name="weight",
                                    requires_grad=False)
         self.bias = ms.Parameter(ms.Tensor(np.zeros(conv.weight.shape[0], np.float32)), name="bias",
@@ -142,18 +143,18 @@ class FusedConv(nn.Cell):
         self.bias.set_data(ms.Tensor(bias))
         self.weights_key.set_data(ms.Tensor(np.array([self.layer, version], np.int64)))
 
+
+class FusedConv(FusedLayer):
+    """A FusedLayer in a native call of its own, with a post-op (None or Relu), from src_layout to dst_layout (the
+    stem's conv1; a block's layers run in the block's call)."""
+
+    def __init__(self, conv: BlockedConv2d, post: str, src_layout: int, dst_layout: int) -> None:
+        super().__init__(conv)
+        self.op = _convolution_op(post, self.stride, self.padding, src_layout, dst_layout)
+        self.layouts = _layouts(src_layout, dst_layout)
+
     def construct(self, x):
         return self.op(x, self.weight, self.weights_key, self.layouts, self.bias)
-
-
-class FusedConvAdd(FusedConv):
-    """The last convolution of a residual block: relu(bn(conv(x)) + residual)."""
-
-    def __init__(self, conv: BlockedConv2d, layout: int) -> None:
-        super().__init__(conv, "AddRelu", layout, layout)
-
-    def construct(self, x, residual):
-        return self.op(x, self.weight, self.weights_key, self.layouts, self.bias, residual)
 
 
 def _block_pairs(block: nn.Cell) -> List[Tuple[nn.Conv2d, nn.BatchNorm2d]]:
@@ -171,10 +172,10 @@ class FusedBlock(nn.Cell):
     def __init__(self, block: nn.Cell, layout: int) -> None:
         super().__init__()
         pairs = _block_pairs(block)
-        self.convs = nn.CellList([FusedConv(conv, "Relu", layout, layout) for conv, _ in pairs[:-1]])
-        self.last = FusedConvAdd(pairs[-1][0], layout)
+        self.convs = nn.CellList([FusedLayer(conv) for conv, _ in pairs[:-1]])
+        self.last = FusedLayer(pairs[-1][0])
         self.has_downsample = block.downsample is not None
-        self.downsample = FusedConv(block.downsample[0], "None", layout, layout) if self.has_downsample else None
+        self.downsample = FusedLayer(block.downsample[0]) if self.has_downsample else None
         layers = list(self.convs) + [self.last] + ([self.downsample] if self.has_downsample else [])
         geometry = tuple((layer.stride, layer.padding) for layer in layers)
         self.op = _block_op(layout, geometry, self.has_downsample)
