@@ -10,6 +10,7 @@ import tempfile
 import os
 import signal
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -59,17 +60,21 @@ def mindspore_mode_restored():
     ms.set_context(mode=mode)
 
 
-# memory_heavy's lock file, one per test run: named by the run's main process, whose environment its xdist workers
-# (and any pytest a test starts) inherit; that process removes it when the run ends.
+# A folder per test run for memory_heavy's lock file and torch's compile cache (importing torchvision creates
+# torch's cache folder, /tmp/torchinductor_<user> by default): made by the run's main process, whose environment
+# its xdist workers (and any pytest or script a test starts) inherit; that process removes it when the run ends.
+RUN_FOLDER = "RESNET_TESTS_RUN_FOLDER"
 MEMORY_LOCK = "RESNET_TESTS_MEMORY_LOCK"
-OWNS_MEMORY_LOCK = MEMORY_LOCK not in os.environ
-if OWNS_MEMORY_LOCK:
-    os.environ[MEMORY_LOCK] = str(Path(tempfile.gettempdir()) / f"resnet-tests-{os.getpid()}.memory.lock")
+OWNS_RUN_FOLDER = RUN_FOLDER not in os.environ
+if OWNS_RUN_FOLDER:
+    os.environ[RUN_FOLDER] = tempfile.mkdtemp(prefix="resnet-tests-")
+    os.environ[MEMORY_LOCK] = str(Path(os.environ[RUN_FOLDER]) / "memory.lock")
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(os.environ[RUN_FOLDER]) / "torchinductor"))
 
 
 def pytest_unconfigure(config) -> None:
-    if OWNS_MEMORY_LOCK:
-        Path(os.environ[MEMORY_LOCK]).unlink(missing_ok=True)
+    if OWNS_RUN_FOLDER:
+        shutil.rmtree(os.environ[RUN_FOLDER], ignore_errors=True)
 
 
 @contextlib.contextmanager
