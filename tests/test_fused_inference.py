@@ -89,6 +89,56 @@ def test_one_pixel_products_equal_numpy_for_every_row_count_and_weights_version(
                 assert rel_diff(actual, expected) < 1e-5, (out, version, batch)
 
 
+def numpy_conv3x3(x: np.ndarray, weights: np.ndarray) -> np.ndarray:
+    """A 3x3 stride-1 convolution with padding 1 of NCHW x, in float64."""
+    n, _, h, w = x.shape
+    padded = np.pad(x.astype(np.float64), ((0, 0), (0, 0), (1, 1), (1, 1)))
+    out = np.zeros((n, weights.shape[0], h, w))
+    for dy in range(3):
+        for dx in range(3):
+            out += np.einsum("nchw,oc->nohw", padded[:, :, dy:dy + h, dx:dx + w], weights[:, :, dy, dx])
+    return out
+
+
+@pytest.mark.parametrize("post", ["None", "Relu", "AddRelu"])
+def test_3x3_layers_on_channel_blocks_equal_numpy_for_odd_maps_and_weights_versions(post):
+    """3x3 stride-1 layers between channel blocks (on AVX2: Winograd's F(2x2, 3x3) over 2x2 output tiles, from 12
+    tiles on; fewer run oneDNN's direct kernel): odd map sizes cut the last tiles, the tiles go in chunks over the
+    threads, the bias and post-op come with the output, and new weights under a new version replace the packed
+    ones."""
+    from src.fused_inference import BLOCKED, _convolution_op, _layouts
+    from src.onednn_conv import channel_block
+    block = channel_block()
+
+    def blocked(t: np.ndarray) -> np.ndarray:  # NCHW -> the same shape holding nChw<block>c
+        n, c, h, w = t.shape
+        return np.ascontiguousarray(t.reshape(n, c // block, block, h, w).transpose(0, 1, 3, 4, 2)).reshape(t.shape)
+
+    def plain(t: np.ndarray) -> np.ndarray:
+        n, c, h, w = t.shape
+        return t.reshape(n, c // block, h, w, block).transpose(0, 1, 4, 2, 3).reshape(t.shape)
+
+    rng = np.random.default_rng(4)
+    op, layouts = _convolution_op(post, 1, 1, BLOCKED, BLOCKED), _layouts(BLOCKED, BLOCKED)
+    for batch, in_channels, out_channels, height, width in ((1, 16, 32, 5, 7), (3, 48, 48, 9, 6), (2, 16, 32, 4, 4),
+                                                            (2, 32, 16, 1, 3), (4, 16, 32, 14, 14)):
+        for version in (1, 2):
+            weights = rng.standard_normal((out_channels, in_channels, 3, 3)).astype(np.float32)
+            bias = rng.standard_normal(out_channels).astype(np.float32)
+            x = rng.standard_normal((batch, in_channels, height, width)).astype(np.float32)
+            expected = numpy_conv3x3(x, weights) + bias[None, :, None, None]
+            key = ms.Tensor(np.array([20_000 + 100 * in_channels + out_channels + height, version], np.int64))
+            inputs = [ms.Tensor(blocked(x)), ms.Tensor(weights), key, layouts, ms.Tensor(bias)]
+            if post == "AddRelu":
+                residual = rng.standard_normal(expected.shape).astype(np.float32)
+                expected += residual
+                inputs.append(ms.Tensor(blocked(residual)))
+            if post != "None":
+                expected = np.maximum(expected, 0.0)
+            actual = plain(op(*inputs).asnumpy())
+            assert rel_diff(actual, expected) < 1e-5, (batch, in_channels, out_channels, height, width, version)
+
+
 def test_refresh_takes_the_new_weights_and_statistics():
     """inference_network(net, reuse) refreshes the same FusedResNet; the native cache of packed weights must not
     serve the old weights after it."""
@@ -171,6 +221,9 @@ fused(images).asnumpy()
 # maps, with weights expanded per pair of pixels: 14, with 3 of the additions and 13 of the ReLUs. On AVX2 the
 # native panels run them, so oneDNN's log has none of them (only their 2 gathers).
 PRODUCTS = 14, 3, 13  # matrix products, their additions, their ReLUs
+# On AVX2 layer1's three 3x3 layers (8x8 maps: 32 output tiles of 2x2 at batch 2) run natively too (Winograd), with
+# their ReLUs; layer2's (4x4 maps: 8 tiles) stay oneDNN's.
+WINOGRAD_LAYERS = 3
 
 
 @pytest.mark.parametrize("model_name, size, choice, isa, convolutions, products, gathers, additions, relus", [
@@ -185,11 +238,13 @@ def test_oneDNN_log_one_call_per_layer_and_no_reorders_after_the_first_pass(mode
     post-ops, none through GEMM or reference kernels, on the chosen layout (channel blocks of 16 with AVX-512,
     of 8 under an AVX2 cap; the stem reads the NCHW images there), and a matrix product with the same bias and
     post-ops (not oneDNN's reference one; on AVX2 the native panels instead) where a layer's output map is one
-    pixel or a 2x2 map's pixel pairs; the second pass reorders no weights, only the input pixels that a one-pixel
-    output gathers from a larger map."""
+    pixel or a 2x2 map's pixel pairs (and on AVX2 large enough 3x3 stride-1 layers on blocks run natively); the
+    second pass reorders no weights, only the input pixels that a one-pixel output gathers from a larger map."""
     layout = "acdb" if choice == "nhwc" else f"aBcd{native_channel_block(isa)}b"  # oneDNN's names for NHWC, blocks
-    if native_channel_block(isa) == 8:  # AVX2: the products run natively, outside oneDNN's log
+    if native_channel_block(isa) == 8:  # AVX2: the products and Winograd's layers run natively, outside oneDNN's log
         products, additions, relus = (0, 0, 0), additions - products[1], relus - products[2]
+        if choice != "nhwc":
+            convolutions, relus = convolutions - WINOGRAD_LAYERS, relus - WINOGRAD_LAYERS
     executed = onednn_exec_log(["-c", VERBOSE_SCRIPT, model_name, str(size), choice], isa, marker="SECOND PASS")
     kinds = [fields[5] for fields in executed]
     assert kinds.count("convolution") == convolutions and kinds.count("pooling") == 1
