@@ -551,6 +551,8 @@ void PanelMatmul(dnnl::threadpool_interop::threadpool_iface &pool, int64_t m, in
 constexpr int kWinogradBlock = 8, kWinogradPositions = 16;
 constexpr int64_t kWinogradChunkBytes = 300 * 1024;  // a chunk's transformed input and products, per thread
 constexpr int64_t kWinogradMinTiles = 12;            // fewer (a batch of one 4x4 map): direct is faster
+// Tiles a chunk of the weight gradient has at least: each chunk reads and writes the thread's (16, out, in) sums.
+constexpr int64_t kWinogradGradientTiles = 128;
 
 struct WinogradShape {
   int64_t batch, in, out, height, width;  // input and output maps are height x width
@@ -647,7 +649,8 @@ __attribute__((target("avx2,fma"))) void WinogradOutput(const WinogradShape &s, 
       const float *in = m + i * s.out + block * kWinogradBlock;
       __m256 t[2][4];  // A^T m
       for (int c = 0; c < 4; ++c) {
-        const __m256 m0 = _mm256_loadu_ps(in + c * position_stride), m1 = _mm256_loadu_ps(in + (4 + c) * position_stride);
+        const __m256 m0 = _mm256_loadu_ps(in + c * position_stride);
+        const __m256 m1 = _mm256_loadu_ps(in + (4 + c) * position_stride);
         const __m256 m2 = _mm256_loadu_ps(in + (8 + c) * position_stride);
         const __m256 m3 = _mm256_loadu_ps(in + (12 + c) * position_stride);
         t[0][c] = _mm256_add_ps(_mm256_add_ps(m0, m1), m2);
@@ -715,6 +718,183 @@ void WinogradConvolution(dnnl::threadpool_interop::threadpool_iface &pool, const
                      m + position * count * s.out);
       }
       WinogradOutput(s, m, first, count, bias, residual, relu, y);
+    }
+  });
+}
+
+// The weight gradient of a 3x3 stride-1 layer (padding 1) in Winograd's terms: dW = G^T [sum over tiles of
+// (A dY A^T) . (B^T X B)] G, 16 multiplies per channel pair and tile against the direct gradient's 36. Each
+// chunk of tiles transforms its inputs (into panels of 16 input channels) and its output gradients (2x2 tiles,
+// zeros outside the map), then adds, for each of the 16 positions, their product over the chunk's tiles into the
+// thread's (out, in) sums; the threads' sums are added and turned into 3x3 kernels at the end.
+bool WinogradWeightGradientUsable(const WinogradShape &s) {
+  return ChannelBlock() == kWinogradBlock && s.out % kWinogradBlock == 0 && PanelsUsable(s.in) &&
+         s.tiles() >= kWinogradMinTiles;
+}
+
+// Tiles [first, first + count) of x: v (16, in / 16, count, 16) = B^T d B, as panels of 16 input channels.
+__attribute__((target("avx2,fma"))) void WinogradInputPanels(const WinogradShape &s, const float *x, int64_t first,
+                                                              int64_t count, float *v) {
+  const int64_t blocks = s.in / kWinogradBlock, position_stride = s.in * count;
+  for (int64_t i = 0; i < count; ++i) {
+    const int64_t tile = first + i, image = tile / (s.tile_rows() * s.tile_columns());
+    const int64_t top = 2 * (tile / s.tile_columns() % s.tile_rows()) - 1, left = 2 * (tile % s.tile_columns()) - 1;
+    for (int64_t block = 0; block < blocks; ++block) {
+      const float *plane = x + (image * blocks + block) * s.height * s.width * kWinogradBlock;
+      __m256 d[4][4];
+      for (int r = 0; r < 4; ++r) {
+        for (int c = 0; c < 4; ++c) {
+          const int64_t row = top + r, column = left + c;
+          const bool inside = row >= 0 && row < s.height && column >= 0 && column < s.width;
+          d[r][c] = inside ? _mm256_loadu_ps(plane + (row * s.width + column) * kWinogradBlock) : _mm256_setzero_ps();
+        }
+      }
+      __m256 t[4][4];  // B^T d
+      for (int c = 0; c < 4; ++c) {
+        t[0][c] = _mm256_sub_ps(d[0][c], d[2][c]);
+        t[1][c] = _mm256_add_ps(d[1][c], d[2][c]);
+        t[2][c] = _mm256_sub_ps(d[2][c], d[1][c]);
+        t[3][c] = _mm256_sub_ps(d[1][c], d[3][c]);
+      }
+      float *out = v + ((block / 2) * count + i) * kPanelColumns + (block % 2) * kWinogradBlock;
+      for (int r = 0; r < 4; ++r) {
+        _mm256_storeu_ps(out + (r * 4 + 0) * position_stride, _mm256_sub_ps(t[r][0], t[r][2]));
+        _mm256_storeu_ps(out + (r * 4 + 1) * position_stride, _mm256_add_ps(t[r][1], t[r][2]));
+        _mm256_storeu_ps(out + (r * 4 + 2) * position_stride, _mm256_sub_ps(t[r][2], t[r][1]));
+        _mm256_storeu_ps(out + (r * 4 + 3) * position_stride, _mm256_sub_ps(t[r][1], t[r][3]));
+      }
+    }
+  }
+}
+
+// Tiles [first, first + count) of dy: z (16, count, out) = A dY A^T of each 2x2 tile (zeros outside the map).
+__attribute__((target("avx2,fma"))) void WinogradOutputGradient(const WinogradShape &s, const float *dy,
+                                                                 int64_t first, int64_t count, float *z) {
+  const int64_t blocks = s.out / kWinogradBlock, position_stride = count * s.out;
+  for (int64_t i = 0; i < count; ++i) {
+    const int64_t tile = first + i, image = tile / (s.tile_rows() * s.tile_columns());
+    const int64_t top = 2 * (tile / s.tile_columns() % s.tile_rows()), left = 2 * (tile % s.tile_columns());
+    for (int64_t block = 0; block < blocks; ++block) {
+      const float *plane = dy + (image * blocks + block) * s.height * s.width * kWinogradBlock;
+      __m256 g[2][2];
+      for (int r = 0; r < 2; ++r) {
+        for (int c = 0; c < 2; ++c) {
+          const bool inside = top + r < s.height && left + c < s.width;
+          g[r][c] = inside ? _mm256_loadu_ps(plane + ((top + r) * s.width + left + c) * kWinogradBlock)
+                           : _mm256_setzero_ps();
+        }
+      }
+      __m256 t[4][2];  // A dY
+      for (int c = 0; c < 2; ++c) {
+        t[0][c] = g[0][c];
+        t[1][c] = _mm256_add_ps(g[0][c], g[1][c]);
+        t[2][c] = _mm256_sub_ps(g[0][c], g[1][c]);
+        t[3][c] = _mm256_sub_ps(_mm256_setzero_ps(), g[1][c]);
+      }
+      float *out = z + i * s.out + block * kWinogradBlock;
+      for (int r = 0; r < 4; ++r) {
+        _mm256_storeu_ps(out + (r * 4 + 0) * position_stride, t[r][0]);
+        _mm256_storeu_ps(out + (r * 4 + 1) * position_stride, _mm256_add_ps(t[r][0], t[r][1]));
+        _mm256_storeu_ps(out + (r * 4 + 2) * position_stride, _mm256_sub_ps(t[r][0], t[r][1]));
+        _mm256_storeu_ps(out + (r * 4 + 3) * position_stride, _mm256_sub_ps(_mm256_setzero_ps(), t[r][1]));
+      }
+    }
+  }
+}
+
+// c (R rows, 16) += sum over i < depth of z[i * ldz + r] x panel[i] (z read down its columns: tiles by channel).
+template <int R>
+__attribute__((target("avx2,fma"))) void GradientRows(const float *z, int64_t ldz, const float *panel,
+                                                       int64_t depth, float *c, int64_t ldc) {
+  __m256 low[R], high[R];
+#pragma GCC unroll 6
+  for (int r = 0; r < R; ++r) {
+    low[r] = _mm256_loadu_ps(c + r * ldc);
+    high[r] = _mm256_loadu_ps(c + r * ldc + 8);
+  }
+  for (int64_t i = 0; i < depth; ++i) {
+    const __m256 panel_low = _mm256_loadu_ps(panel + i * kPanelColumns);
+    const __m256 panel_high = _mm256_loadu_ps(panel + i * kPanelColumns + 8);
+#pragma GCC unroll 6
+    for (int r = 0; r < R; ++r) {
+      const __m256 value = _mm256_broadcast_ss(z + i * ldz + r);
+      low[r] = _mm256_fmadd_ps(value, panel_low, low[r]);
+      high[r] = _mm256_fmadd_ps(value, panel_high, high[r]);
+    }
+  }
+#pragma GCC unroll 6
+  for (int r = 0; r < R; ++r) {
+    _mm256_storeu_ps(c + r * ldc, low[r]);
+    _mm256_storeu_ps(c + r * ldc + 8, high[r]);
+  }
+}
+
+// dw (OIHW, out x in x 3 x 3) of y = conv3x3(x, w) from dy; x and dy in 8-channel blocks. buffers: three per pool
+// thread (a chunk's transformed inputs and output gradients, the thread's sums).
+void WinogradWeightGradient(dnnl::threadpool_interop::threadpool_iface &pool, const WinogradShape &s,
+                            const float *x, const float *dy, float *dw, Buffer *buffers) {
+  const int64_t tiles = s.tiles(), threads = pool.get_num_threads();
+  const int64_t most = std::max<int64_t>(kWinogradGradientTiles,
+                                        kWinogradChunkBytes / (kWinogradPositions * 4 * (s.in + s.out)));
+  const int64_t chunks = ((tiles + most - 1) / most + threads - 1) / threads * threads;
+  const int64_t chunk = (tiles + chunks - 1) / chunks;
+  const int used = static_cast<int>(std::min(threads, (tiles + chunk - 1) / chunk));
+  const int64_t sums_size = kWinogradPositions * s.out * s.in;
+  std::vector<float *> sums(used);
+  pool.parallel_for(used, [&](int thread, int) {
+    float *v = static_cast<float *>(buffers[3 * thread].Get(kWinogradPositions * chunk * s.in * sizeof(float)));
+    float *z = static_cast<float *>(buffers[3 * thread + 1].Get(kWinogradPositions * chunk * s.out * sizeof(float)));
+    float *m = static_cast<float *>(buffers[3 * thread + 2].Get(sums_size * sizeof(float)));
+    std::fill(m, m + sums_size, 0.0f);
+    sums[thread] = m;
+    for (int64_t first = thread * chunk; first < tiles; first += used * chunk) {
+      const int64_t count = std::min(chunk, tiles - first);
+      WinogradInputPanels(s, x, first, count, v);
+      WinogradOutputGradient(s, dy, first, count, z);
+      for (int position = 0; position < kWinogradPositions; ++position) {
+        const float *zp = z + position * count * s.out, *vp = v + position * count * s.in;
+        float *mp = m + position * s.out * s.in;
+        for (int64_t panel = 0; panel < s.in / kPanelColumns; ++panel) {
+          const float *columns = vp + panel * count * kPanelColumns;
+          for (int64_t row = 0; row < s.out; row += kPanelRowBlock) {
+            float *c = mp + row * s.in + panel * kPanelColumns;
+            switch (std::min(kPanelRowBlock, s.out - row)) {
+              case 6: GradientRows<6>(zp + row, s.out, columns, count, c, s.in); break;
+              case 5: GradientRows<5>(zp + row, s.out, columns, count, c, s.in); break;
+              case 4: GradientRows<4>(zp + row, s.out, columns, count, c, s.in); break;
+              case 3: GradientRows<3>(zp + row, s.out, columns, count, c, s.in); break;
+              case 2: GradientRows<2>(zp + row, s.out, columns, count, c, s.in); break;
+              default: GradientRows<1>(zp + row, s.out, columns, count, c, s.in); break;
+            }
+          }
+        }
+      }
+    }
+  });
+  // dw = G^T (the threads' sums) G for each (o, i), split by output channel.
+  const int split = static_cast<int>(std::min<int64_t>(threads, s.out));
+  pool.parallel_for(split, [&](int thread, int) {
+    for (int64_t o = s.out * thread / split; o < s.out * (thread + 1) / split; ++o) {
+      for (int64_t i = 0; i < s.in; ++i) {
+        float m[4][4];
+        for (int position = 0; position < kWinogradPositions; ++position) {
+          float total = 0.0f;
+          for (int t = 0; t < used; ++t) total += sums[t][(position * s.out + o) * s.in + i];
+          m[position / 4][position % 4] = total;
+        }
+        float t[3][4];  // G^T m
+        for (int c = 0; c < 4; ++c) {
+          t[0][c] = m[0][c] + 0.5f * (m[1][c] + m[2][c]);
+          t[1][c] = 0.5f * (m[1][c] - m[2][c]);
+          t[2][c] = 0.5f * (m[1][c] + m[2][c]) + m[3][c];
+        }
+        float *kernel = dw + (o * s.in + i) * 9;
+        for (int r = 0; r < 3; ++r) {
+          kernel[r * 3 + 0] = t[r][0] + 0.5f * (t[r][1] + t[r][2]);
+          kernel[r * 3 + 1] = 0.5f * (t[r][1] - t[r][2]);
+          kernel[r * 3 + 2] = 0.5f * (t[r][1] + t[r][2]) + t[r][3];
+        }
+      }
     }
   });
 }
@@ -827,6 +1007,13 @@ class Runtime {
                                       Scratchpad(small->backward_weights.scratchpad));
       stream_.wait();
       FoldPixelPairs(small->pairs, static_cast<const float *>(matrix), static_cast<float *>(dw), executor_.pool);
+    } else if (const auto winograd = TrainingWinogradWeightGradient(shape)) {
+      const memory blocks = ToLayout(memory(x_desc, engine_, x), memory::desc(shape.src, memory::data_type::f32,
+                                                                              BlockedTag()), &buffers_[1]);
+      stream_.wait();
+      WinogradWeightGradient(executor_.pool, *winograd, static_cast<const float *>(blocks.get_data_handle()),
+                             static_cast<const float *>(d_conv_out.get_data_handle()), static_cast<float *>(dw),
+                             winograd_gradient_buffers_.get());
     } else {
       // As Run computes it, but from d_conv_out, which is already blocked.
       const Plan &filter = GetPlan(Direction::kBackwardWeights, shape);
@@ -982,6 +1169,19 @@ class Runtime {
     const WinogradShape winograd = data_gradient ? WinogradShape{src[0], w[0], w[1], src[2], src[3]}
                                                  : WinogradShape{src[0], w[1], w[0], src[2], src[3]};
     if (!WinogradUsable(winograd)) return std::nullopt;
+    return winograd;
+  }
+
+  // The Winograd weight gradient of a 3x3 stride-1 layer with padding 1 (WinogradWeightGradientUsable); nullopt
+  // where not.
+  std::optional<WinogradShape> TrainingWinogradWeightGradient(const Shape &shape) const {
+    const memory::dims &w = shape.weights, &src = shape.src;
+    if (w[2] != 3 || w[3] != 3 || shape.strides != memory::dims{1, 1} || shape.padding != memory::dims{1, 1} ||
+        shape.dst != memory::dims{src[0], w[0], src[2], src[3]}) {
+      return std::nullopt;
+    }
+    const WinogradShape winograd{src[0], w[1], w[0], src[2], src[3]};
+    if (!WinogradWeightGradientUsable(winograd)) return std::nullopt;
     return winograd;
   }
 
@@ -1412,6 +1612,8 @@ class Runtime {
   Buffer buffers_[5];  // first input, second input, result, scratchpad; ConvBn's blocked y or dy
   Buffer winograd_weights_;  // a layer's weights transformed for WinogradConvolution
   std::unique_ptr<Buffer[]> winograd_buffers_{new Buffer[2 * static_cast<size_t>(executor_.pool.get_num_threads())]};
+  std::unique_ptr<Buffer[]> winograd_gradient_buffers_{
+      new Buffer[3 * static_cast<size_t>(executor_.pool.get_num_threads())]};
   std::map<std::tuple<int, memory::dims, memory::dims, memory::dims, memory::dims, memory::dims>, Plan> plans_;
   std::map<std::tuple<memory::dims, float, bool>, BatchNormPlan> norms_;
   std::map<std::tuple<memory::dims, memory::dims, int, int, int>, PoolPlan> pools_;
@@ -1739,14 +1941,15 @@ class InferenceRuntime {
   std::optional<InferencePlan> WinogradPlan(const InferenceShape &shape) {
     const memory::dims &w = shape.weights, &src = shape.src;
     const bool geometry = w[2] == 3 && w[3] == 3 && shape.strides == memory::dims{1, 1} &&
-                          shape.padding == memory::dims{1, 1} && shape.dst == memory::dims{src[0], w[0], src[2], src[3]};
+                          shape.padding == memory::dims{1, 1} &&
+                          shape.dst == memory::dims{src[0], w[0], src[2], src[3]};
     const bool layouts = shape.src_layout == Layout::kBlocked && shape.dst_layout == Layout::kBlocked;
     if (!geometry || !layouts || !WinogradUsable({src[0], w[1], w[0], src[2], src[3]})) return std::nullopt;
     const auto f32 = memory::data_type::f32;
     InferencePlan plan{{}, memory::desc(src, f32, LayoutTag(shape.src_layout)),
                        memory::desc({kWinogradPositions * w[0] * w[1]}, f32, tag::a), memory::desc({w[0]}, f32, tag::a),
-                       memory::desc(shape.dst, f32, LayoutTag(shape.dst_layout)), {}, {}, memory::desc(w, f32, tag::oihw),
-                       0};
+                       memory::desc(shape.dst, f32, LayoutTag(shape.dst_layout)), {}, {},
+                       memory::desc(w, f32, tag::oihw), 0};
     plan.winograd = true;
     return plan;
   }

@@ -140,10 +140,10 @@ def test_oneDNN_runs_training_batchnorm_on_the_convolutions_blocked_output(isa):
     convolutions = [fields for fields in log if fields[5] == "convolution"]
     kinds = sorted(fields[7] for fields in convolutions)
     # No backward_data for the stem: nothing uses the images' gradient, so the graph drops its native call. On
-    # AVX2 layer1's three 3x3 stride-1 layers (8x8 maps: 32 tiles of 2x2 at batch 2) run forward and data gradient
-    # natively (Winograd); layer2's (4x4 maps: 8 tiles) stay oneDNN's.
+    # AVX2 layer1's three 3x3 stride-1 layers (8x8 maps: 32 tiles of 2x2 at batch 2) run all three passes natively
+    # (Winograd); layer2's (4x4 maps: 8 tiles) stay oneDNN's.
     winograd = WINOGRAD_TRAINING_LAYERS if block == 8 else 0
-    assert kinds == (["backward_data"] * (38 - winograd) + ["backward_weights"] * 39
+    assert kinds == (["backward_data"] * (38 - winograd) + ["backward_weights"] * (39 - winograd)
                      + ["forward_training"] * (39 - winograd))
     for fields in convolutions:
         assert "ref" not in fields[6] and (block == 8 or "gemm" not in fields[6]), fields
