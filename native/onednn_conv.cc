@@ -466,8 +466,9 @@ struct PanelEpilogue {
 };
 
 // Rows [0, R) of c's panel columns over one slice of k: c = a x panel (first slice) or c += a x panel, then the
-// epilogue on the last.
-template <int R>
+// epilogue on the last. a's element (r, i) is a[r * lda + i], or with kColumns (a read down its columns: the
+// Winograd weight gradient's output gradients, tiles by channel) a[i * lda + r].
+template <int R, bool kColumns = false>
 __attribute__((target("avx2,fma"))) void PanelRows(const float *a, int64_t lda, const float *panel, int64_t depth,
                                                     float *c, int64_t ldc, bool first, const PanelEpilogue *last) {
   __m256 low[R], high[R];
@@ -481,7 +482,7 @@ __attribute__((target("avx2,fma"))) void PanelRows(const float *a, int64_t lda, 
     const __m256 panel_high = _mm256_load_ps(panel + i * kPanelColumns + 8);
 #pragma GCC unroll 6
     for (int r = 0; r < R; ++r) {
-      const __m256 value = _mm256_broadcast_ss(a + r * lda + i);
+      const __m256 value = _mm256_broadcast_ss(kColumns ? a + i * lda + r : a + r * lda + i);
       low[r] = _mm256_fmadd_ps(value, panel_low, low[r]);
       high[r] = _mm256_fmadd_ps(value, panel_high, high[r]);
     }
@@ -601,9 +602,10 @@ void WinogradWeights(dnnl::threadpool_interop::threadpool_iface &pool, const flo
   });
 }
 
-// Tiles [first, first + count): v (16, count, in) = B^T d B of each tile's 4x4 input (zeros outside the map).
+// Tiles [first, first + count): v = B^T d B of each tile's 4x4 input (zeros outside the map), as (16, count, in)
+// rows, or with panels as (16, in / 16, count, 16) panels of 16 input channels.
 __attribute__((target("avx2,fma"))) void WinogradInput(const WinogradShape &s, const float *x, int64_t first,
-                                                        int64_t count, float *v) {
+                                                        int64_t count, bool panels, float *v) {
   const int64_t blocks = s.in / kWinogradBlock, position_stride = count * s.in;
   for (int64_t i = 0; i < count; ++i) {
     const int64_t tile = first + i, image = tile / (s.tile_rows() * s.tile_columns());
@@ -625,7 +627,8 @@ __attribute__((target("avx2,fma"))) void WinogradInput(const WinogradShape &s, c
         t[2][c] = _mm256_sub_ps(d[2][c], d[1][c]);
         t[3][c] = _mm256_sub_ps(d[1][c], d[3][c]);
       }
-      float *out = v + i * s.in + block * kWinogradBlock;
+      float *out = panels ? v + ((block / 2) * count + i) * kPanelColumns + (block % 2) * kWinogradBlock
+                          : v + i * s.in + block * kWinogradBlock;
       for (int r = 0; r < 4; ++r) {
         _mm256_storeu_ps(out + (r * 4 + 0) * position_stride, _mm256_sub_ps(t[r][0], t[r][2]));
         _mm256_storeu_ps(out + (r * 4 + 1) * position_stride, _mm256_add_ps(t[r][1], t[r][2]));
@@ -712,7 +715,7 @@ void WinogradConvolution(dnnl::threadpool_interop::threadpool_iface &pool, const
     float *m = static_cast<float *>(buffers[2 * thread + 1].Get(kWinogradPositions * chunk * s.out * sizeof(float)));
     for (int64_t first = thread * chunk; first < tiles; first += used * chunk) {
       const int64_t count = std::min(chunk, tiles - first);
-      WinogradInput(s, x, first, count, v);
+      WinogradInput(s, x, first, count, false, v);
       for (int position = 0; position < kWinogradPositions; ++position) {
         PanelProduct(v + position * count * s.in, count, s.in, s.out, u + position * s.in * s.out,
                      m + position * count * s.out);
@@ -730,41 +733,6 @@ void WinogradConvolution(dnnl::threadpool_interop::threadpool_iface &pool, const
 bool WinogradWeightGradientUsable(const WinogradShape &s) {
   return ChannelBlock() == kWinogradBlock && s.out % kWinogradBlock == 0 && PanelsUsable(s.in) &&
          s.tiles() >= kWinogradMinTiles;
-}
-
-// Tiles [first, first + count) of x: v (16, in / 16, count, 16) = B^T d B, as panels of 16 input channels.
-__attribute__((target("avx2,fma"))) void WinogradInputPanels(const WinogradShape &s, const float *x, int64_t first,
-                                                              int64_t count, float *v) {
-  const int64_t blocks = s.in / kWinogradBlock, position_stride = s.in * count;
-  for (int64_t i = 0; i < count; ++i) {
-    const int64_t tile = first + i, image = tile / (s.tile_rows() * s.tile_columns());
-    const int64_t top = 2 * (tile / s.tile_columns() % s.tile_rows()) - 1, left = 2 * (tile % s.tile_columns()) - 1;
-    for (int64_t block = 0; block < blocks; ++block) {
-      const float *plane = x + (image * blocks + block) * s.height * s.width * kWinogradBlock;
-      __m256 d[4][4];
-      for (int r = 0; r < 4; ++r) {
-        for (int c = 0; c < 4; ++c) {
-          const int64_t row = top + r, column = left + c;
-          const bool inside = row >= 0 && row < s.height && column >= 0 && column < s.width;
-          d[r][c] = inside ? _mm256_loadu_ps(plane + (row * s.width + column) * kWinogradBlock) : _mm256_setzero_ps();
-        }
-      }
-      __m256 t[4][4];  // B^T d
-      for (int c = 0; c < 4; ++c) {
-        t[0][c] = _mm256_sub_ps(d[0][c], d[2][c]);
-        t[1][c] = _mm256_add_ps(d[1][c], d[2][c]);
-        t[2][c] = _mm256_sub_ps(d[2][c], d[1][c]);
-        t[3][c] = _mm256_sub_ps(d[1][c], d[3][c]);
-      }
-      float *out = v + ((block / 2) * count + i) * kPanelColumns + (block % 2) * kWinogradBlock;
-      for (int r = 0; r < 4; ++r) {
-        _mm256_storeu_ps(out + (r * 4 + 0) * position_stride, _mm256_sub_ps(t[r][0], t[r][2]));
-        _mm256_storeu_ps(out + (r * 4 + 1) * position_stride, _mm256_add_ps(t[r][1], t[r][2]));
-        _mm256_storeu_ps(out + (r * 4 + 2) * position_stride, _mm256_sub_ps(t[r][2], t[r][1]));
-        _mm256_storeu_ps(out + (r * 4 + 3) * position_stride, _mm256_sub_ps(t[r][1], t[r][3]));
-      }
-    }
-  }
 }
 
 // Tiles [first, first + count) of dy: z (16, count, out) = A dY A^T of each 2x2 tile (zeros outside the map).
@@ -802,33 +770,6 @@ __attribute__((target("avx2,fma"))) void WinogradOutputGradient(const WinogradSh
   }
 }
 
-// c (R rows, 16) += sum over i < depth of z[i * ldz + r] x panel[i] (z read down its columns: tiles by channel).
-template <int R>
-__attribute__((target("avx2,fma"))) void GradientRows(const float *z, int64_t ldz, const float *panel,
-                                                       int64_t depth, float *c, int64_t ldc) {
-  __m256 low[R], high[R];
-#pragma GCC unroll 6
-  for (int r = 0; r < R; ++r) {
-    low[r] = _mm256_loadu_ps(c + r * ldc);
-    high[r] = _mm256_loadu_ps(c + r * ldc + 8);
-  }
-  for (int64_t i = 0; i < depth; ++i) {
-    const __m256 panel_low = _mm256_loadu_ps(panel + i * kPanelColumns);
-    const __m256 panel_high = _mm256_loadu_ps(panel + i * kPanelColumns + 8);
-#pragma GCC unroll 6
-    for (int r = 0; r < R; ++r) {
-      const __m256 value = _mm256_broadcast_ss(z + i * ldz + r);
-      low[r] = _mm256_fmadd_ps(value, panel_low, low[r]);
-      high[r] = _mm256_fmadd_ps(value, panel_high, high[r]);
-    }
-  }
-#pragma GCC unroll 6
-  for (int r = 0; r < R; ++r) {
-    _mm256_storeu_ps(c + r * ldc, low[r]);
-    _mm256_storeu_ps(c + r * ldc + 8, high[r]);
-  }
-}
-
 // dw (OIHW, out x in x 3 x 3) of y = conv3x3(x, w) from dy; x and dy in 8-channel blocks. buffers: three per pool
 // thread (a chunk's transformed inputs and output gradients, the thread's sums).
 void WinogradWeightGradient(dnnl::threadpool_interop::threadpool_iface &pool, const WinogradShape &s,
@@ -849,7 +790,7 @@ void WinogradWeightGradient(dnnl::threadpool_interop::threadpool_iface &pool, co
     sums[thread] = m;
     for (int64_t first = thread * chunk; first < tiles; first += used * chunk) {
       const int64_t count = std::min(chunk, tiles - first);
-      WinogradInputPanels(s, x, first, count, v);
+      WinogradInput(s, x, first, count, true, v);
       WinogradOutputGradient(s, dy, first, count, z);
       for (int position = 0; position < kWinogradPositions; ++position) {
         const float *zp = z + position * count * s.out, *vp = v + position * count * s.in;
@@ -859,12 +800,12 @@ void WinogradWeightGradient(dnnl::threadpool_interop::threadpool_iface &pool, co
           for (int64_t row = 0; row < s.out; row += kPanelRowBlock) {
             float *c = mp + row * s.in + panel * kPanelColumns;
             switch (std::min(kPanelRowBlock, s.out - row)) {
-              case 6: GradientRows<6>(zp + row, s.out, columns, count, c, s.in); break;
-              case 5: GradientRows<5>(zp + row, s.out, columns, count, c, s.in); break;
-              case 4: GradientRows<4>(zp + row, s.out, columns, count, c, s.in); break;
-              case 3: GradientRows<3>(zp + row, s.out, columns, count, c, s.in); break;
-              case 2: GradientRows<2>(zp + row, s.out, columns, count, c, s.in); break;
-              default: GradientRows<1>(zp + row, s.out, columns, count, c, s.in); break;
+              case 6: PanelRows<6, true>(zp + row, s.out, columns, count, c, s.in, false, nullptr); break;
+              case 5: PanelRows<5, true>(zp + row, s.out, columns, count, c, s.in, false, nullptr); break;
+              case 4: PanelRows<4, true>(zp + row, s.out, columns, count, c, s.in, false, nullptr); break;
+              case 3: PanelRows<3, true>(zp + row, s.out, columns, count, c, s.in, false, nullptr); break;
+              case 2: PanelRows<2, true>(zp + row, s.out, columns, count, c, s.in, false, nullptr); break;
+              default: PanelRows<1, true>(zp + row, s.out, columns, count, c, s.in, false, nullptr); break;
             }
           }
         }
