@@ -509,6 +509,32 @@ __attribute__((target("avx2,fma"))) void PanelRows(const float *a, int64_t lda, 
   }
 }
 
+// Panel p's 16 columns of c (m, n) = a (m, k) x panels, over every row block and slice of k; where bias is given,
+// plus the bias [+ residual (m, n)] and the post-op on the last slice.
+void PanelColumns(int64_t p, int64_t m, int64_t k, int64_t n, const float *a, const float *panels, const float *bias,
+                  const float *residual, PostOp post, float *c) {
+  const int64_t column = p * kPanelColumns;
+  for (int64_t start = 0; start < k; start += kPanelSlice) {
+    const int64_t depth = std::min(kPanelSlice, k - start);
+    const float *panel = panels + (p * k + start) * kPanelColumns;
+    for (int64_t row = 0; row < m; row += kPanelRowBlock) {
+      const PanelEpilogue epilogue{bias ? bias + column : nullptr, residual ? residual + row * n + column : nullptr, n,
+                                   post != PostOp::kNone};
+      const PanelEpilogue *last = bias != nullptr && start + depth == k ? &epilogue : nullptr;
+      const float *rows = a + row * k + start;
+      float *out = c + row * n + column;
+      switch (std::min(kPanelRowBlock, m - row)) {
+        case 6: PanelRows<6>(rows, k, panel, depth, out, n, start == 0, last); break;
+        case 5: PanelRows<5>(rows, k, panel, depth, out, n, start == 0, last); break;
+        case 4: PanelRows<4>(rows, k, panel, depth, out, n, start == 0, last); break;
+        case 3: PanelRows<3>(rows, k, panel, depth, out, n, start == 0, last); break;
+        case 2: PanelRows<2>(rows, k, panel, depth, out, n, start == 0, last); break;
+        default: PanelRows<1>(rows, k, panel, depth, out, n, start == 0, last); break;
+      }
+    }
+  }
+}
+
 // c (m, n) = post(a (m, k) x panels + bias [+ residual (m, n)]), the panels split among the pool's threads.
 void PanelMatmul(dnnl::threadpool_interop::threadpool_iface &pool, int64_t m, int64_t k, int64_t n, const float *a,
                  const float *panels, const float *bias, const float *residual, PostOp post, float *c) {
@@ -516,26 +542,7 @@ void PanelMatmul(dnnl::threadpool_interop::threadpool_iface &pool, int64_t m, in
   const int threads = static_cast<int>(std::min<int64_t>(pool.get_num_threads(), count));
   pool.parallel_for(threads, [&](int thread, int) {
     for (int64_t p = count * thread / threads; p < count * (thread + 1) / threads; ++p) {
-      const int64_t column = p * kPanelColumns;
-      for (int64_t start = 0; start < k; start += kPanelSlice) {
-        const int64_t depth = std::min(kPanelSlice, k - start);
-        const float *panel = panels + (p * k + start) * kPanelColumns;
-        for (int64_t row = 0; row < m; row += kPanelRowBlock) {
-          const PanelEpilogue epilogue{bias + column, residual ? residual + row * n + column : nullptr, n,
-                                       post != PostOp::kNone};
-          const PanelEpilogue *last = start + depth == k ? &epilogue : nullptr;
-          const float *rows = a + row * k + start;
-          float *out = c + row * n + column;
-          switch (std::min(kPanelRowBlock, m - row)) {
-            case 6: PanelRows<6>(rows, k, panel, depth, out, n, start == 0, last); break;
-            case 5: PanelRows<5>(rows, k, panel, depth, out, n, start == 0, last); break;
-            case 4: PanelRows<4>(rows, k, panel, depth, out, n, start == 0, last); break;
-            case 3: PanelRows<3>(rows, k, panel, depth, out, n, start == 0, last); break;
-            case 2: PanelRows<2>(rows, k, panel, depth, out, n, start == 0, last); break;
-            default: PanelRows<1>(rows, k, panel, depth, out, n, start == 0, last); break;
-          }
-        }
-      }
+      PanelColumns(p, m, k, n, a, panels, bias, residual, post, c);
     }
   });
 }
@@ -669,28 +676,6 @@ __attribute__((target("avx2,fma"))) void WinogradOutput(const WinogradShape &s, 
   }
 }
 
-// c (rows, n) = a (rows, k) x panels, with no epilogue, on the calling thread.
-void PanelProduct(const float *a, int64_t rows, int64_t k, int64_t n, const float *panels, float *c) {
-  for (int64_t p = 0; p < n / kPanelColumns; ++p) {
-    for (int64_t start = 0; start < k; start += kPanelSlice) {
-      const int64_t depth = std::min(kPanelSlice, k - start);
-      const float *panel = panels + (p * k + start) * kPanelColumns;
-      for (int64_t row = 0; row < rows; row += kPanelRowBlock) {
-        const float *block = a + row * k + start;
-        float *out = c + row * n + p * kPanelColumns;
-        switch (std::min(kPanelRowBlock, rows - row)) {
-          case 6: PanelRows<6>(block, k, panel, depth, out, n, start == 0, nullptr); break;
-          case 5: PanelRows<5>(block, k, panel, depth, out, n, start == 0, nullptr); break;
-          case 4: PanelRows<4>(block, k, panel, depth, out, n, start == 0, nullptr); break;
-          case 3: PanelRows<3>(block, k, panel, depth, out, n, start == 0, nullptr); break;
-          case 2: PanelRows<2>(block, k, panel, depth, out, n, start == 0, nullptr); break;
-          default: PanelRows<1>(block, k, panel, depth, out, n, start == 0, nullptr); break;
-        }
-      }
-    }
-  }
-}
-
 // y = post(conv3x3(x, g) + bias [+ residual]) with u = WinogradWeights(g); x, y and the residual in 8-channel
 // blocks. buffers: two per pool thread (a chunk's transformed input and products).
 void WinogradConvolution(dnnl::threadpool_interop::threadpool_iface &pool, const WinogradShape &s, const float *x,
@@ -710,8 +695,10 @@ void WinogradConvolution(dnnl::threadpool_interop::threadpool_iface &pool, const
       const int64_t count = std::min(chunk, tiles - first);
       WinogradInput(s, x, first, count, v);
       for (int position = 0; position < kWinogradPositions; ++position) {
-        PanelProduct(v + position * count * s.in, count, s.in, s.out, u + position * s.in * s.out,
-                     m + position * count * s.out);
+        for (int64_t panel = 0; panel < s.out / kPanelColumns; ++panel) {  // on this thread, no epilogue
+          PanelColumns(panel, count, s.in, s.out, v + position * count * s.in, u + position * s.in * s.out, nullptr,
+                       nullptr, PostOp::kNone, m + position * count * s.out);
+        }
       }
       WinogradOutput(s, m, first, count, bias, residual, relu, y);
     }
