@@ -466,8 +466,9 @@ struct PanelEpilogue {
 };
 
 // Rows [0, R) of c's panel columns over one slice of k: c = a x panel (first slice) or c += a x panel, then the
-// epilogue on the last.
-template <int R>
+// epilogue on the last. a's element (r, i) is a[r * lda + i], or with kColumns (a read down its columns: the
+// Winograd weight gradient's output gradients, tiles by channel) a[i * lda + r].
+template <int R, bool kColumns = false>
 __attribute__((target("avx2,fma"))) void PanelRows(const float *a, int64_t lda, const float *panel, int64_t depth,
                                                     float *c, int64_t ldc, bool first, const PanelEpilogue *last) {
   __m256 low[R], high[R];
@@ -481,7 +482,7 @@ __attribute__((target("avx2,fma"))) void PanelRows(const float *a, int64_t lda, 
     const __m256 panel_high = _mm256_load_ps(panel + i * kPanelColumns + 8);
 #pragma GCC unroll 6
     for (int r = 0; r < R; ++r) {
-      const __m256 value = _mm256_broadcast_ss(a + r * lda + i);
+      const __m256 value = _mm256_broadcast_ss(kColumns ? a + i * lda + r : a + r * lda + i);
       low[r] = _mm256_fmadd_ps(value, panel_low, low[r]);
       high[r] = _mm256_fmadd_ps(value, panel_high, high[r]);
     }
@@ -547,18 +548,19 @@ void PanelMatmul(dnnl::threadpool_interop::threadpool_iface &pool, int64_t m, in
   });
 }
 
-// Inference's 3x3 stride-1 convolutions (padding 1) on AVX2's 8-channel blocks: Winograd's F(2x2, 3x3), which
-// computes each 2x2 output tile from a 4x4 input tile with 16 products per input-output channel pair instead of 36.
-// Each tile's input is transformed (B^T d B), the 16 transformed positions are multiplied by the transformed
-// weights (U = G g G^T, packed once per weights version as 16 sets of panels) with PanelRows, and each tile's 16
-// results are transformed back (A^T m A), with the bias, the residual and the ReLU. Tiles go in chunks whose
-// transformed inputs and products stay in L2, each thread taking whole chunks. oneDNN's AVX2 build has no
-// Winograd kernel (oneDNN's are AVX-512 code). Standalone, on ResNet-50's 3x3 layers at batch 32: 1.4x (56x56,
-// 64 channels) to 2.1x (14x14, 256) oneDNN's direct convolution, the results within 1e-5 of its. Training keeps
-// oneDNN's direct kernels: Winograd's rounding flipped ReLUs in the whole-network gradient parity test.
+// 3x3 stride-1 convolutions (padding 1) on AVX2's 8-channel blocks, in inference and for training's gradients
+// (TrainingWinograd): Winograd's F(2x2, 3x3), which computes each 2x2 output tile from a 4x4 input tile with 16
+// products per input-output channel pair instead of 36. Each tile's input is transformed (B^T d B), the 16 transformed
+// positions are multiplied by the transformed weights (U = G g G^T, 16 sets of panels) with PanelRows, and each tile's
+// 16 results are transformed back (A^T m A), with the bias, the residual and the ReLU. Tiles go in chunks whose
+// transformed inputs and products stay in L2, each thread taking whole chunks. oneDNN's AVX2 build has no Winograd
+// kernel (oneDNN's are AVX-512 code). Standalone, on ResNet-50's 3x3 layers at batch 32: 1.4x (56x56, 64 channels) to
+// 2.1x (14x14, 256) oneDNN's direct convolution, the results within 1e-5 of its.
 constexpr int kWinogradBlock = 8, kWinogradPositions = 16;
 constexpr int64_t kWinogradChunkBytes = 300 * 1024;  // a chunk's transformed input and products, per thread
 constexpr int64_t kWinogradMinTiles = 12;            // fewer (a batch of one 4x4 map): direct is faster
+// Tiles a chunk of the weight gradient has at least: each chunk reads and writes the thread's (16, out, in) sums.
+constexpr int64_t kWinogradGradientTiles = 128;
 
 struct WinogradShape {
   int64_t batch, in, out, height, width;  // input and output maps are height x width
@@ -574,15 +576,18 @@ bool WinogradUsable(const WinogradShape &s) {
          s.tiles() >= kWinogradMinTiles;
 }
 
-// U: (16 positions, out / 16, in, 16) from OIHW weights g of (out, in) channels, split over the pool's threads by
-// output channel.
+// U: (16 positions, out / 16, in, 16) from OIHW weights g of (out, in) channels; with data_gradient, of the
+// convolution that computes a 3x3 stride-1 layer's input gradient, whose kernel (o, i) is the layer's (i, o) turned
+// by 180 degrees (g then has (in, out) channels). Split over the pool's threads by output channel.
 void WinogradWeights(dnnl::threadpool_interop::threadpool_iface &pool, const float *g, int64_t out, int64_t in,
-                     float *u) {
+                     bool data_gradient, float *u) {
   const int threads = static_cast<int>(std::min<int64_t>(pool.get_num_threads(), out));
   pool.parallel_for(threads, [&](int thread, int) {
     for (int64_t o = out * thread / threads; o < out * (thread + 1) / threads; ++o) {
       for (int64_t i = 0; i < in; ++i) {
-        const float *w = g + (o * in + i) * 9;
+        float w[9];
+        const float *kernel = g + (data_gradient ? i * out + o : o * in + i) * 9;
+        for (int tap = 0; tap < 9; ++tap) w[tap] = kernel[data_gradient ? 8 - tap : tap];
         float t[4][3];  // G g
         for (int j = 0; j < 3; ++j) {
           t[0][j] = w[j];
@@ -604,9 +609,10 @@ void WinogradWeights(dnnl::threadpool_interop::threadpool_iface &pool, const flo
   });
 }
 
-// Tiles [first, first + count): v (16, count, in) = B^T d B of each tile's 4x4 input (zeros outside the map).
+// Tiles [first, first + count): v = B^T d B of each tile's 4x4 input (zeros outside the map), as (16, count, in)
+// rows, or with panels as (16, in / 16, count, 16) panels of 16 input channels.
 __attribute__((target("avx2,fma"))) void WinogradInput(const WinogradShape &s, const float *x, int64_t first,
-                                                        int64_t count, float *v) {
+                                                        int64_t count, bool panels, float *v) {
   const int64_t blocks = s.in / kWinogradBlock, position_stride = count * s.in;
   for (int64_t i = 0; i < count; ++i) {
     const int64_t tile = first + i, image = tile / (s.tile_rows() * s.tile_columns());
@@ -628,7 +634,8 @@ __attribute__((target("avx2,fma"))) void WinogradInput(const WinogradShape &s, c
         t[2][c] = _mm256_sub_ps(d[2][c], d[1][c]);
         t[3][c] = _mm256_sub_ps(d[1][c], d[3][c]);
       }
-      float *out = v + i * s.in + block * kWinogradBlock;
+      float *out = panels ? v + ((block / 2) * count + i) * kPanelColumns + (block % 2) * kWinogradBlock
+                          : v + i * s.in + block * kWinogradBlock;
       for (int r = 0; r < 4; ++r) {
         _mm256_storeu_ps(out + (r * 4 + 0) * position_stride, _mm256_sub_ps(t[r][0], t[r][2]));
         _mm256_storeu_ps(out + (r * 4 + 1) * position_stride, _mm256_add_ps(t[r][1], t[r][2]));
@@ -693,7 +700,7 @@ void WinogradConvolution(dnnl::threadpool_interop::threadpool_iface &pool, const
     float *m = static_cast<float *>(buffers[2 * thread + 1].Get(kWinogradPositions * chunk * s.out * sizeof(float)));
     for (int64_t first = thread * chunk; first < tiles; first += used * chunk) {
       const int64_t count = std::min(chunk, tiles - first);
-      WinogradInput(s, x, first, count, v);
+      WinogradInput(s, x, first, count, false, v);
       for (int position = 0; position < kWinogradPositions; ++position) {
         for (int64_t panel = 0; panel < s.out / kPanelColumns; ++panel) {  // on this thread, no epilogue
           PanelColumns(panel, count, s.in, s.out, v + position * count * s.in, u + position * s.in * s.out, nullptr,
@@ -701,6 +708,121 @@ void WinogradConvolution(dnnl::threadpool_interop::threadpool_iface &pool, const
         }
       }
       WinogradOutput(s, m, first, count, bias, residual, relu, y);
+    }
+  });
+}
+
+// The weight gradient of a 3x3 stride-1 layer (padding 1) in Winograd's terms: dW = G^T [sum over tiles of
+// (A dY A^T) . (B^T X B)] G, 16 multiplies per channel pair and tile against the direct gradient's 36. Each
+// chunk of tiles transforms its inputs (into panels of 16 input channels) and its output gradients (2x2 tiles,
+// zeros outside the map), then adds, for each of the 16 positions, their product over the chunk's tiles into the
+// thread's (out, in) sums; the threads' sums are added and turned into 3x3 kernels at the end.
+bool WinogradWeightGradientUsable(const WinogradShape &s) {
+  return ChannelBlock() == kWinogradBlock && s.out % kWinogradBlock == 0 && PanelsUsable(s.in) &&
+         s.tiles() >= kWinogradMinTiles;
+}
+
+// Tiles [first, first + count) of dy: z (16, count, out) = A dY A^T of each 2x2 tile (zeros outside the map).
+__attribute__((target("avx2,fma"))) void WinogradOutputGradient(const WinogradShape &s, const float *dy,
+                                                                 int64_t first, int64_t count, float *z) {
+  const int64_t blocks = s.out / kWinogradBlock, position_stride = count * s.out;
+  for (int64_t i = 0; i < count; ++i) {
+    const int64_t tile = first + i, image = tile / (s.tile_rows() * s.tile_columns());
+    const int64_t top = 2 * (tile / s.tile_columns() % s.tile_rows()), left = 2 * (tile % s.tile_columns());
+    for (int64_t block = 0; block < blocks; ++block) {
+      const float *plane = dy + (image * blocks + block) * s.height * s.width * kWinogradBlock;
+      __m256 g[2][2];
+      for (int r = 0; r < 2; ++r) {
+        for (int c = 0; c < 2; ++c) {
+          const bool inside = top + r < s.height && left + c < s.width;
+          g[r][c] = inside ? _mm256_loadu_ps(plane + ((top + r) * s.width + left + c) * kWinogradBlock)
+                           : _mm256_setzero_ps();
+        }
+      }
+      __m256 t[4][2];  // A dY
+      for (int c = 0; c < 2; ++c) {
+        t[0][c] = g[0][c];
+        t[1][c] = _mm256_add_ps(g[0][c], g[1][c]);
+        t[2][c] = _mm256_sub_ps(g[0][c], g[1][c]);
+        t[3][c] = _mm256_sub_ps(_mm256_setzero_ps(), g[1][c]);
+      }
+      float *out = z + i * s.out + block * kWinogradBlock;
+      for (int r = 0; r < 4; ++r) {
+        _mm256_storeu_ps(out + (r * 4 + 0) * position_stride, t[r][0]);
+        _mm256_storeu_ps(out + (r * 4 + 1) * position_stride, _mm256_add_ps(t[r][0], t[r][1]));
+        _mm256_storeu_ps(out + (r * 4 + 2) * position_stride, _mm256_sub_ps(t[r][0], t[r][1]));
+        _mm256_storeu_ps(out + (r * 4 + 3) * position_stride, _mm256_sub_ps(_mm256_setzero_ps(), t[r][1]));
+      }
+    }
+  }
+}
+
+// dw (OIHW, out x in x 3 x 3) of y = conv3x3(x, w) from dy; x and dy in 8-channel blocks. buffers: three per pool
+// thread (a chunk's transformed inputs and output gradients, the thread's sums).
+void WinogradWeightGradient(dnnl::threadpool_interop::threadpool_iface &pool, const WinogradShape &s,
+                            const float *x, const float *dy, float *dw, Buffer *buffers) {
+  const int64_t tiles = s.tiles(), threads = pool.get_num_threads();
+  const int64_t most = std::max<int64_t>(kWinogradGradientTiles,
+                                        kWinogradChunkBytes / (kWinogradPositions * 4 * (s.in + s.out)));
+  const int64_t chunks = ((tiles + most - 1) / most + threads - 1) / threads * threads;
+  const int64_t chunk = (tiles + chunks - 1) / chunks;
+  const int used = static_cast<int>(std::min(threads, (tiles + chunk - 1) / chunk));
+  const int64_t sums_size = kWinogradPositions * s.out * s.in;
+  std::vector<float *> sums(used);
+  pool.parallel_for(used, [&](int thread, int) {
+    float *v = static_cast<float *>(buffers[3 * thread].Get(kWinogradPositions * chunk * s.in * sizeof(float)));
+    float *z = static_cast<float *>(buffers[3 * thread + 1].Get(kWinogradPositions * chunk * s.out * sizeof(float)));
+    float *m = static_cast<float *>(buffers[3 * thread + 2].Get(sums_size * sizeof(float)));
+    std::fill(m, m + sums_size, 0.0f);
+    sums[thread] = m;
+    for (int64_t first = thread * chunk; first < tiles; first += used * chunk) {
+      const int64_t count = std::min(chunk, tiles - first);
+      WinogradInput(s, x, first, count, true, v);
+      WinogradOutputGradient(s, dy, first, count, z);
+      for (int position = 0; position < kWinogradPositions; ++position) {
+        const float *zp = z + position * count * s.out, *vp = v + position * count * s.in;
+        float *mp = m + position * s.out * s.in;
+        for (int64_t panel = 0; panel < s.in / kPanelColumns; ++panel) {
+          const float *columns = vp + panel * count * kPanelColumns;
+          for (int64_t row = 0; row < s.out; row += kPanelRowBlock) {
+            float *c = mp + row * s.in + panel * kPanelColumns;
+            switch (std::min(kPanelRowBlock, s.out - row)) {
+              case 6: PanelRows<6, true>(zp + row, s.out, columns, count, c, s.in, false, nullptr); break;
+              case 5: PanelRows<5, true>(zp + row, s.out, columns, count, c, s.in, false, nullptr); break;
+              case 4: PanelRows<4, true>(zp + row, s.out, columns, count, c, s.in, false, nullptr); break;
+              case 3: PanelRows<3, true>(zp + row, s.out, columns, count, c, s.in, false, nullptr); break;
+              case 2: PanelRows<2, true>(zp + row, s.out, columns, count, c, s.in, false, nullptr); break;
+              default: PanelRows<1, true>(zp + row, s.out, columns, count, c, s.in, false, nullptr); break;
+            }
+          }
+        }
+      }
+    }
+  });
+  // dw = G^T (the threads' sums) G for each (o, i), split by output channel.
+  const int split = static_cast<int>(std::min<int64_t>(threads, s.out));
+  pool.parallel_for(split, [&](int thread, int) {
+    for (int64_t o = s.out * thread / split; o < s.out * (thread + 1) / split; ++o) {
+      for (int64_t i = 0; i < s.in; ++i) {
+        float m[4][4];
+        for (int position = 0; position < kWinogradPositions; ++position) {
+          float total = 0.0f;
+          for (int t = 0; t < used; ++t) total += sums[t][(position * s.out + o) * s.in + i];
+          m[position / 4][position % 4] = total;
+        }
+        float t[3][4];  // G^T m
+        for (int c = 0; c < 4; ++c) {
+          t[0][c] = m[0][c] + 0.5f * (m[1][c] + m[2][c]);
+          t[1][c] = 0.5f * (m[1][c] - m[2][c]);
+          t[2][c] = 0.5f * (m[1][c] + m[2][c]) + m[3][c];
+        }
+        float *kernel = dw + (o * s.in + i) * 9;
+        for (int r = 0; r < 3; ++r) {
+          kernel[r * 3 + 0] = t[r][0] + 0.5f * (t[r][1] + t[r][2]);
+          kernel[r * 3 + 1] = 0.5f * (t[r][1] - t[r][2]);
+          kernel[r * 3 + 2] = 0.5f * (t[r][1] + t[r][2]) + t[r][3];
+        }
+      }
     }
   });
 }
@@ -806,6 +928,13 @@ class Runtime {
                                       Scratchpad(small->backward_weights.scratchpad));
       stream_.wait();
       FoldPixelPairs(small->pairs, static_cast<const float *>(matrix), static_cast<float *>(dw), executor_.pool);
+    } else if (const auto winograd = TrainingWinograd(shape, true)) {
+      const memory blocks = ToLayout(memory(x_desc, engine_, x), memory::desc(shape.src, memory::data_type::f32,
+                                                                              BlockedTag()), &buffers_[1]);
+      stream_.wait();
+      WinogradWeightGradient(executor_.pool, *winograd, static_cast<const float *>(blocks.get_data_handle()),
+                             static_cast<const float *>(d_conv_out.get_data_handle()), static_cast<float *>(dw),
+                             winograd_gradient_buffers_.get());
     } else {
       // As Run computes it, but from d_conv_out, which is already blocked.
       const Plan &filter = GetPlan(Direction::kBackwardWeights, shape);
@@ -931,9 +1060,45 @@ class Runtime {
                                    dx, Scratchpad(small->backward_data.scratchpad));
       return;
     }
+    if (const auto winograd = TrainingWinograd(shape, false)) {
+      const memory::desc blocks(shape.src, memory::data_type::f32, BlockedTag());
+      void *result = x_blocked ? dx : buffers_[2].Get(blocks.get_size());
+      WinogradConvolution(executor_.pool, *winograd, static_cast<const float *>(d_conv_out.get_data_handle()),
+                          DataGradientWinogradWeights(*winograd, weights), nullptr, nullptr, false,
+                          static_cast<float *>(result), winograd_buffers_.get());
+      if (!x_blocked) {
+        memory from(blocks, engine_, result), to(x_desc, engine_, dx);
+        dnnl::reorder(from, to).execute(stream_, from, to);
+      }
+      return;
+    }
     const Plan &data = GetPlan(Direction::kBackwardData, shape);
     Execute(data, ToLayout(d_conv_out, data.first_desc, &buffers_[0]),
             ToLayout(memory(w_plain, engine_, weights), data.second_desc, &buffers_[1]), x_desc, dx);
+  }
+
+  // Where a training layer is a 3x3 stride-1 one with padding 1, the Winograd shape its input gradient (the
+  // convolution of d_conv_out, in channel blocks, with the layer's kernels turned; WinogradUsable) or its weight
+  // gradient (WinogradWeightGradientUsable) runs as; nullopt where not. The forward stays oneDNN's direct
+  // convolution: its rounding decides the ReLUs, and a Winograd forward flipped some in the whole-network gradient
+  // parity test (1-18 % off torch float64 for ResNet-18, where oneDNN's rounding stays within 3e-4).
+  std::optional<WinogradShape> TrainingWinograd(const Shape &shape, bool weight_gradient) const {
+    const memory::dims &w = shape.weights, &src = shape.src;
+    if (w[2] != 3 || w[3] != 3 || shape.strides != memory::dims{1, 1} || shape.padding != memory::dims{1, 1} ||
+        shape.dst != memory::dims{src[0], w[0], src[2], src[3]}) {
+      return std::nullopt;
+    }
+    const WinogradShape winograd = weight_gradient ? WinogradShape{src[0], w[1], w[0], src[2], src[3]}
+                                                   : WinogradShape{src[0], w[0], w[1], src[2], src[3]};
+    if (!(weight_gradient ? WinogradWeightGradientUsable(winograd) : WinogradUsable(winograd))) return std::nullopt;
+    return winograd;
+  }
+
+  // The layer's plain weights transformed for the input gradient's Winograd convolution (they change every step).
+  const float *DataGradientWinogradWeights(const WinogradShape &s, void *weights) {
+    float *u = static_cast<float *>(winograd_weights_.Get(kWinogradPositions * s.in * s.out * sizeof(float)));
+    WinogradWeights(executor_.pool, static_cast<const float *>(weights), s.out, s.in, true, u);
+    return u;
   }
 
   Runtime()
@@ -1354,6 +1519,10 @@ class Runtime {
   dnnl::engine &engine_;
   dnnl::stream &stream_;
   Buffer buffers_[5];  // first input, second input, result, scratchpad; ConvBn's blocked y or dy
+  Buffer winograd_weights_;  // a layer's weights transformed for WinogradConvolution
+  std::unique_ptr<Buffer[]> winograd_buffers_{new Buffer[2 * static_cast<size_t>(executor_.pool.get_num_threads())]};
+  std::unique_ptr<Buffer[]> winograd_gradient_buffers_{
+      new Buffer[3 * static_cast<size_t>(executor_.pool.get_num_threads())]};
   std::map<std::tuple<int, memory::dims, memory::dims, memory::dims, memory::dims, memory::dims>, Plan> plans_;
   std::map<std::tuple<memory::dims, float, bool>, BatchNormPlan> norms_;
   std::map<std::tuple<memory::dims, memory::dims, int, int, int>, PoolPlan> pools_;
@@ -1501,7 +1670,7 @@ class InferenceRuntime {
         }
         if (plan.winograd) {
           const memory::dims &w = shape.weights;
-          WinogradWeights(executor_.pool, static_cast<const float *>(weights), w[0], w[1],
+          WinogradWeights(executor_.pool, static_cast<const float *>(weights), w[0], w[1], false,
                           static_cast<float *>(kernel_weights.get_data_handle()));
         } else {
           dnnl::reorder(plain_weights, kernel_weights).execute(stream_, plain_weights, kernel_weights);

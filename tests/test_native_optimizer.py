@@ -8,7 +8,7 @@ import mindspore as ms
 import pytest
 from mindspore import nn
 
-from conftest import run_with_onednn_log
+from conftest import native_channel_block, run_with_onednn_log
 
 from src.model_utils.config import load_config
 from src.native_optimizer import NativeAdam, NativeMomentum, NativeNesterovSGD
@@ -162,9 +162,12 @@ def test_weight_gradients_in_the_kernels_layout_train_to_the_same_weights(isa, o
 
     kernel_layout, plain = train("1"), train("0")
     assert kernel_layout[:2] == (0, 20)  # ResNet-18's 20 convolutions (the stem's gradient, 3 channels, stays plain)
-    # Without it every step reorders most of them (measured 14 a step with 16-channel blocks, 11 with 8): not the
-    # stem's, nor those of layer4's convolutions into one-pixel maps (matrix products at 32x32, on plain weights).
-    assert plain[1] == 0 and plain[0] >= 3 * 10 and plain[0] % 3 == 0
+    # Without it every step reorders most of them (measured 14 a step with 16-channel blocks): not the stem's, nor
+    # those of layer4's convolutions into one-pixel maps (matrix products at 32x32, on plain weights). With 8-channel
+    # blocks (AVX2) the seven 3x3 stride-1 layers on maps of 4x4 and up compute theirs natively (Winograd), in OIHW,
+    # which leaves 4 a step.
+    least = 10 if native_channel_block(isa) == 16 else 4
+    assert plain[1] == 0 and plain[0] >= 3 * least and plain[0] % 3 == 0
     assert kernel_layout[2] == plain[2]
 
 
