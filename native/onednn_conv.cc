@@ -581,28 +581,35 @@ bool WinogradUsable(const WinogradShape &s) {
 // by 180 degrees (g then has (in, out) channels). Split over the pool's threads by output channel.
 void WinogradWeights(dnnl::threadpool_interop::threadpool_iface &pool, const float *g, int64_t out, int64_t in,
                      bool data_gradient, float *u) {
-  const int threads = static_cast<int>(std::min<int64_t>(pool.get_num_threads(), out));
+  // By panels of 16 output channels, and within a panel the channels innermost: each input channel's 16
+  // positions are 16 contiguous runs of 16 floats (the transforms run at every training step).
+  const int64_t panels = out / kPanelColumns;
+  const int threads = static_cast<int>(std::min<int64_t>(pool.get_num_threads(), panels));
   pool.parallel_for(threads, [&](int thread, int) {
-    for (int64_t o = out * thread / threads; o < out * (thread + 1) / threads; ++o) {
+    for (int64_t panel = panels * thread / threads; panel < panels * (thread + 1) / threads; ++panel) {
       for (int64_t i = 0; i < in; ++i) {
-        float w[9];
-        const float *kernel = g + (data_gradient ? i * out + o : o * in + i) * 9;
-        for (int tap = 0; tap < 9; ++tap) w[tap] = kernel[data_gradient ? 8 - tap : tap];
-        float t[4][3];  // G g
-        for (int j = 0; j < 3; ++j) {
-          t[0][j] = w[j];
-          t[1][j] = 0.5f * (w[j] + w[3 + j] + w[6 + j]);
-          t[2][j] = 0.5f * (w[j] - w[3 + j] + w[6 + j]);
-          t[3][j] = w[6 + j];
-        }
-        for (int r = 0; r < 4; ++r) {
-          const float row[4] = {t[r][0], 0.5f * (t[r][0] + t[r][1] + t[r][2]), 0.5f * (t[r][0] - t[r][1] + t[r][2]),
-                                t[r][2]};
-          for (int c = 0; c < 4; ++c) {
-            const int64_t position = r * 4 + c;
-            u[((position * (out / kPanelColumns) + o / kPanelColumns) * in + i) * kPanelColumns +
-              o % kPanelColumns] = row[c];
+        float rows[kWinogradPositions][kPanelColumns];
+        for (int lane = 0; lane < kPanelColumns; ++lane) {
+          const int64_t o = panel * kPanelColumns + lane;
+          float w[9];
+          const float *kernel = g + (data_gradient ? i * out + o : o * in + i) * 9;
+          for (int tap = 0; tap < 9; ++tap) w[tap] = kernel[data_gradient ? 8 - tap : tap];
+          float t[4][3];  // G g
+          for (int j = 0; j < 3; ++j) {
+            t[0][j] = w[j];
+            t[1][j] = 0.5f * (w[j] + w[3 + j] + w[6 + j]);
+            t[2][j] = 0.5f * (w[j] - w[3 + j] + w[6 + j]);
+            t[3][j] = w[6 + j];
           }
+          for (int r = 0; r < 4; ++r) {
+            rows[r * 4 + 0][lane] = t[r][0];
+            rows[r * 4 + 1][lane] = 0.5f * (t[r][0] + t[r][1] + t[r][2]);
+            rows[r * 4 + 2][lane] = 0.5f * (t[r][0] - t[r][1] + t[r][2]);
+            rows[r * 4 + 3][lane] = t[r][2];
+          }
+        }
+        for (int position = 0; position < kWinogradPositions; ++position) {
+          std::memcpy(u + ((position * panels + panel) * in + i) * kPanelColumns, rows[position], sizeof(rows[0]));
         }
       }
     }
@@ -757,6 +764,42 @@ __attribute__((target("avx2,fma"))) void WinogradOutputGradient(const WinogradSh
   }
 }
 
+// dw's kernels (o, i) for output channels [first, last): G^T m G, m the sum of the threads' (16, out, in) sums,
+// eight input channels per vector (in is a multiple of 16).
+__attribute__((target("avx2,fma"))) void WinogradGradientKernels(const WinogradShape &s,
+                                                                  const std::vector<float *> &sums, int64_t first,
+                                                                  int64_t last, float *dw) {
+  const __m256 half = _mm256_set1_ps(0.5f);
+  for (int64_t o = first; o < last; ++o) {
+    for (int64_t i = 0; i < s.in; i += kWinogradBlock) {
+      __m256 m[4][4];
+      for (int position = 0; position < kWinogradPositions; ++position) {
+        __m256 total = _mm256_setzero_ps();
+        for (const float *sum : sums) {
+          total = _mm256_add_ps(total, _mm256_loadu_ps(sum + (position * s.out + o) * s.in + i));
+        }
+        m[position / 4][position % 4] = total;
+      }
+      __m256 t[3][4];  // G^T m
+      for (int c = 0; c < 4; ++c) {
+        t[0][c] = _mm256_add_ps(m[0][c], _mm256_mul_ps(half, _mm256_add_ps(m[1][c], m[2][c])));
+        t[1][c] = _mm256_mul_ps(half, _mm256_sub_ps(m[1][c], m[2][c]));
+        t[2][c] = _mm256_add_ps(_mm256_mul_ps(half, _mm256_add_ps(m[1][c], m[2][c])), m[3][c]);
+      }
+      alignas(32) float taps[9][kWinogradBlock];
+      for (int r = 0; r < 3; ++r) {
+        _mm256_store_ps(taps[r * 3 + 0], _mm256_add_ps(t[r][0], _mm256_mul_ps(half, _mm256_add_ps(t[r][1], t[r][2]))));
+        _mm256_store_ps(taps[r * 3 + 1], _mm256_mul_ps(half, _mm256_sub_ps(t[r][1], t[r][2])));
+        _mm256_store_ps(taps[r * 3 + 2], _mm256_add_ps(_mm256_mul_ps(half, _mm256_add_ps(t[r][1], t[r][2])), t[r][3]));
+      }
+      float *kernels = dw + (o * s.in + i) * 9;
+      for (int lane = 0; lane < kWinogradBlock; ++lane) {
+        for (int tap = 0; tap < 9; ++tap) kernels[lane * 9 + tap] = taps[tap][lane];
+      }
+    }
+  }
+}
+
 // dw (OIHW, out x in x 3 x 3) of y = conv3x3(x, w) from dy; x and dy in 8-channel blocks. buffers: three per pool
 // thread (a chunk's transformed inputs and output gradients, the thread's sums).
 void WinogradWeightGradient(dnnl::threadpool_interop::threadpool_iface &pool, const WinogradShape &s,
@@ -802,28 +845,7 @@ void WinogradWeightGradient(dnnl::threadpool_interop::threadpool_iface &pool, co
   // dw = G^T (the threads' sums) G for each (o, i), split by output channel.
   const int split = static_cast<int>(std::min<int64_t>(threads, s.out));
   pool.parallel_for(split, [&](int thread, int) {
-    for (int64_t o = s.out * thread / split; o < s.out * (thread + 1) / split; ++o) {
-      for (int64_t i = 0; i < s.in; ++i) {
-        float m[4][4];
-        for (int position = 0; position < kWinogradPositions; ++position) {
-          float total = 0.0f;
-          for (int t = 0; t < used; ++t) total += sums[t][(position * s.out + o) * s.in + i];
-          m[position / 4][position % 4] = total;
-        }
-        float t[3][4];  // G^T m
-        for (int c = 0; c < 4; ++c) {
-          t[0][c] = m[0][c] + 0.5f * (m[1][c] + m[2][c]);
-          t[1][c] = 0.5f * (m[1][c] - m[2][c]);
-          t[2][c] = 0.5f * (m[1][c] + m[2][c]) + m[3][c];
-        }
-        float *kernel = dw + (o * s.in + i) * 9;
-        for (int r = 0; r < 3; ++r) {
-          kernel[r * 3 + 0] = t[r][0] + 0.5f * (t[r][1] + t[r][2]);
-          kernel[r * 3 + 1] = 0.5f * (t[r][1] - t[r][2]);
-          kernel[r * 3 + 2] = 0.5f * (t[r][1] + t[r][2]) + t[r][3];
-        }
-      }
-    }
+    WinogradGradientKernels(s, sums, s.out * thread / split, s.out * (thread + 1) / split, dw);
   });
 }
 
