@@ -578,11 +578,11 @@ bool WinogradUsable(const WinogradShape &s) {
 
 // U: (16 positions, out / 16, in, 16) from OIHW weights g of (out, in) channels; with data_gradient, of the
 // convolution that computes a 3x3 stride-1 layer's input gradient, whose kernel (o, i) is the layer's (i, o) turned
-// by 180 degrees (g then has (in, out) channels). Split over the pool's threads by output channel.
+// by 180 degrees (g then has (in, out) channels). Split over the pool's threads by panels of 16 output channels.
 void WinogradWeights(dnnl::threadpool_interop::threadpool_iface &pool, const float *g, int64_t out, int64_t in,
                      bool data_gradient, float *u) {
-  // By panels of 16 output channels, and within a panel the channels innermost: each input channel's 16
-  // positions are 16 contiguous runs of 16 floats (the transforms run at every training step).
+  // A panel's channels innermost: each input channel's 16 positions are 16 contiguous runs of 16 floats (the
+  // input gradient transforms its weights at every training step).
   const int64_t panels = out / kPanelColumns;
   const int threads = static_cast<int>(std::min<int64_t>(pool.get_num_threads(), panels));
   pool.parallel_for(threads, [&](int thread, int) {
