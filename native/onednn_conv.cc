@@ -510,6 +510,20 @@ __attribute__((target("avx2,fma"))) void PanelRows(const float *a, int64_t lda, 
   }
 }
 
+// PanelRows for a block of `rows` (1 to kPanelRowBlock) rows.
+template <bool kColumns = false>
+void PanelRowBlock(int64_t rows, const float *a, int64_t lda, const float *panel, int64_t depth, float *c,
+                   int64_t ldc, bool first, const PanelEpilogue *last) {
+  switch (rows) {
+    case 6: PanelRows<6, kColumns>(a, lda, panel, depth, c, ldc, first, last); break;
+    case 5: PanelRows<5, kColumns>(a, lda, panel, depth, c, ldc, first, last); break;
+    case 4: PanelRows<4, kColumns>(a, lda, panel, depth, c, ldc, first, last); break;
+    case 3: PanelRows<3, kColumns>(a, lda, panel, depth, c, ldc, first, last); break;
+    case 2: PanelRows<2, kColumns>(a, lda, panel, depth, c, ldc, first, last); break;
+    default: PanelRows<1, kColumns>(a, lda, panel, depth, c, ldc, first, last); break;
+  }
+}
+
 // Panel p's 16 columns of c (m, n) = a (m, k) x panels, over every row block and slice of k; where bias is given,
 // plus the bias [+ residual (m, n)] and the post-op on the last slice.
 void PanelColumns(int64_t p, int64_t m, int64_t k, int64_t n, const float *a, const float *panels, const float *bias,
@@ -522,16 +536,8 @@ void PanelColumns(int64_t p, int64_t m, int64_t k, int64_t n, const float *a, co
       const PanelEpilogue epilogue{bias ? bias + column : nullptr, residual ? residual + row * n + column : nullptr, n,
                                    post != PostOp::kNone};
       const PanelEpilogue *last = bias != nullptr && start + depth == k ? &epilogue : nullptr;
-      const float *rows = a + row * k + start;
-      float *out = c + row * n + column;
-      switch (std::min(kPanelRowBlock, m - row)) {
-        case 6: PanelRows<6>(rows, k, panel, depth, out, n, start == 0, last); break;
-        case 5: PanelRows<5>(rows, k, panel, depth, out, n, start == 0, last); break;
-        case 4: PanelRows<4>(rows, k, panel, depth, out, n, start == 0, last); break;
-        case 3: PanelRows<3>(rows, k, panel, depth, out, n, start == 0, last); break;
-        case 2: PanelRows<2>(rows, k, panel, depth, out, n, start == 0, last); break;
-        default: PanelRows<1>(rows, k, panel, depth, out, n, start == 0, last); break;
-      }
+      PanelRowBlock(std::min(kPanelRowBlock, m - row), a + row * k + start, k, panel, depth, c + row * n + column, n,
+                    start == 0, last);
     }
   }
 }
@@ -828,15 +834,8 @@ void WinogradWeightGradient(dnnl::threadpool_interop::threadpool_iface &pool, co
         for (int64_t panel = 0; panel < s.in / kPanelColumns; ++panel) {
           const float *columns = vp + panel * count * kPanelColumns;
           for (int64_t row = 0; row < s.out; row += kPanelRowBlock) {
-            float *c = mp + row * s.in + panel * kPanelColumns;
-            switch (std::min(kPanelRowBlock, s.out - row)) {
-              case 6: PanelRows<6, true>(zp + row, s.out, columns, count, c, s.in, false, nullptr); break;
-              case 5: PanelRows<5, true>(zp + row, s.out, columns, count, c, s.in, false, nullptr); break;
-              case 4: PanelRows<4, true>(zp + row, s.out, columns, count, c, s.in, false, nullptr); break;
-              case 3: PanelRows<3, true>(zp + row, s.out, columns, count, c, s.in, false, nullptr); break;
-              case 2: PanelRows<2, true>(zp + row, s.out, columns, count, c, s.in, false, nullptr); break;
-              default: PanelRows<1, true>(zp + row, s.out, columns, count, c, s.in, false, nullptr); break;
-            }
+            PanelRowBlock<true>(std::min(kPanelRowBlock, s.out - row), zp + row, s.out, columns, count,
+                                mp + row * s.in + panel * kPanelColumns, s.in, false, nullptr);
           }
         }
       }
