@@ -554,6 +554,108 @@ void PanelMatmul(dnnl::threadpool_interop::threadpool_iface &pool, int64_t m, in
   });
 }
 
+// Training's matrix products of a batch with large weights, on AVX2: the forward and input gradient of the
+// one-pixel, gathered and small-map convolutions of layer3 and layer4 at 32x32 inputs, (32 x K) x (K x N). oneDNN
+// runs them on its GEMM, at 84-160 GFLOP/s, slowest on (K, N) weights read by rows (the input gradient): 84-122 in a
+// standalone timing of these shapes on two threads, against 127-146 here. The forward ran 0.97-1.20x oneDNN's here.
+// Their weight gradients, (N x 32) x (32 x K), stay on oneDNN's GEMM, which ran them at 155-170 (0.86-1.03x here).
+constexpr int64_t kSmallSide = 64;  // the batch's largest size
+
+// A 2-D operand: element (r, c) at data[r * row_stride + c * column_stride].
+struct MatrixView {
+  const float *data;
+  int64_t rows, columns, row_stride, column_stride;
+  float at(int64_t r, int64_t c) const { return data[r * row_stride + c * column_stride]; }
+};
+
+// How SmallMatmul runs c = a x b (c in plain rows), or kNone: oneDNN's matmul runs it.
+enum class SmallProduct {
+  kNone,
+  kBatchTimesPanels,  // a: a batch of rows; b: (k, n) rows, copied slice by slice into panels (the input gradient)
+  kBatchRows,         // a: a batch of rows; b: (n, k) rows: c^T = b^T x a^T with a^T in panels (the forward)
+};
+
+SmallProduct SmallProductFor(const memory::desc &a, const memory::desc &b, const memory::desc &c) {
+  if (!PanelsUsable(kPanelColumns) || a.get_ndims() != 2 || b.get_ndims() != 2) return SmallProduct::kNone;
+  const memory::dims ad = a.get_dims(), as = a.get_strides(), bs = b.get_strides(), cd = c.get_dims();
+  if (c.get_strides() != memory::dims{cd[1], 1} || ad[0] > kSmallSide || as[1] != 1) return SmallProduct::kNone;
+  if (bs[1] == 1 && cd[1] % kPanelColumns == 0) return SmallProduct::kBatchTimesPanels;
+  return bs[0] == 1 ? SmallProduct::kBatchRows : SmallProduct::kNone;
+}
+
+// c (m, n) = a (m, k) x b (k, n), a and b by rows: each thread takes whole panels of 16 columns of b, copied one
+// slice of the depth at a time into an L1 buffer (b's rows are thousands of floats apart: read in place, a slice's
+// 256 rows would fall into a few cache sets), each slice meeting all of a's rows.
+void BatchTimesPanels(dnnl::threadpool_interop::threadpool_iface &pool, const MatrixView &a, const MatrixView &b,
+                      float *c) {
+  const int64_t m = a.rows, k = a.columns, n = b.columns, count = n / kPanelColumns;
+  const int threads = static_cast<int>(std::min<int64_t>(pool.get_num_threads(), count));
+  pool.parallel_for(threads, [&](int thread, int) {
+    alignas(64) float panel[kPanelSlice * kPanelColumns];
+    for (int64_t p = count * thread / threads; p < count * (thread + 1) / threads; ++p) {
+      for (int64_t start = 0; start < k; start += kPanelSlice) {
+        const int64_t depth = std::min(kPanelSlice, k - start);
+        for (int64_t i = 0; i < depth; ++i) {
+          std::memcpy(panel + i * kPanelColumns, b.data + (start + i) * b.row_stride + p * kPanelColumns,
+                      sizeof(float) * kPanelColumns);
+        }
+        for (int64_t row = 0; row < m; row += kPanelRowBlock) {
+          PanelRowBlock(std::min(kPanelRowBlock, m - row), a.data + row * a.row_stride + start, a.row_stride, panel,
+                        depth, c + row * n + p * kPanelColumns, n, start == 0, nullptr);
+        }
+      }
+    }
+  });
+}
+
+// c (m, n) = a (m, k) x b^T, b given as its (n, k) rows, by way of c^T = b x a^T: a^T in panels of 16 of the
+// batch's rows (zero past the last), b's rows broadcast 6 at a time; each thread takes whole blocks of 6 of b's
+// rows, over slices of the depth. c^T goes through `transposed`, a block at a time.
+void BatchRows(dnnl::threadpool_interop::threadpool_iface &pool, const MatrixView &a, const MatrixView &b, float *c,
+               Buffer *panels, Buffer *transposed) {
+  const int64_t m = a.rows, k = a.columns, n = b.rows, lda = b.row_stride;
+  const int64_t count = (m + kPanelColumns - 1) / kPanelColumns, width = count * kPanelColumns;
+  float *packed = static_cast<float *>(panels->Get(static_cast<size_t>(count * k * kPanelColumns) * sizeof(float)));
+  for (int64_t p = 0; p < count; ++p) {
+    for (int64_t i = 0; i < k; ++i) {
+      float *row = packed + (p * k + i) * kPanelColumns;
+      for (int64_t j = 0; j < kPanelColumns; ++j) {
+        const int64_t r = p * kPanelColumns + j;
+        row[j] = r < m ? a.at(r, i) : 0.0f;
+      }
+    }
+  }
+  float *result = static_cast<float *>(transposed->Get(static_cast<size_t>(n * width) * sizeof(float)));
+  const int64_t blocks = (n + kPanelRowBlock - 1) / kPanelRowBlock;
+  const int threads = static_cast<int>(std::min<int64_t>(pool.get_num_threads(), blocks));
+  pool.parallel_for(threads, [&](int thread, int) {
+    for (int64_t block = blocks * thread / threads; block < blocks * (thread + 1) / threads; ++block) {
+      const int64_t row = block * kPanelRowBlock, rows = std::min(kPanelRowBlock, n - row);
+      for (int64_t start = 0; start < k; start += kPanelSlice) {
+        const int64_t depth = std::min(kPanelSlice, k - start);
+        for (int64_t p = 0; p < count; ++p) {
+          PanelRowBlock(rows, b.data + row * lda + start, lda, packed + (p * k + start) * kPanelColumns, depth,
+                        result + row * width + p * kPanelColumns, width, start == 0, nullptr);
+        }
+      }
+      for (int64_t i = 0; i < m; ++i) {  // the block's columns of c, while its rows of c^T are in L1
+        for (int64_t r = 0; r < rows; ++r) c[i * n + row + r] = result[(row + r) * width + i];
+      }
+    }
+  });
+}
+
+// c (m, n), plain rows, = a (m, k) x b (k, n) as SmallProductFor says (not kNone); `panels` and `transposed` are
+// scratch buffers.
+void SmallMatmul(dnnl::threadpool_interop::threadpool_iface &pool, SmallProduct kind, const MatrixView &a,
+                 const MatrixView &b, float *c, Buffer *panels, Buffer *transposed) {
+  if (kind == SmallProduct::kBatchTimesPanels) {
+    BatchTimesPanels(pool, a, b, c);
+  } else {
+    BatchRows(pool, a, MatrixView{b.data, b.columns, b.rows, b.column_stride, b.row_stride}, c, panels, transposed);
+  }
+}
+
 // 3x3 stride-1 convolutions (padding 1) on AVX2's 8-channel blocks, in inference and for training's gradients
 // (TrainingWinograd): Winograd's F(2x2, 3x3), which computes each 2x2 output tile from a 4x4 input tile with 16
 // products per input-output channel pair instead of 36. Each tile's input is transformed (B^T d B), the 16 transformed
@@ -882,8 +984,7 @@ class Runtime {
     } else if (const GatherPlan *gather = GetGatherPlan(shape, x_desc)) {
       GatherForward(*gather, x, weights, conv_out);
     } else if (const SmallMapPlan *small = GetSmallMapPlan(shape, x_desc)) {
-      small->forward.Execute(stream_, engine_, x, ExpandWeights(*small, weights), conv_out,
-                             Scratchpad(small->forward.scratchpad));
+      RunMatmul(small->forward, x, ExpandWeights(*small, weights), conv_out);
     } else {
       const Plan &plan = GetPlan(Direction::kForward, shape);
       Execute(plan, ToLayout(memory(x_desc, engine_, x), plan.first_desc, &buffers_[0]),
@@ -945,8 +1046,7 @@ class Runtime {
       GatherBackwardWeights(*gather, d_conv_out.get_data_handle(), x, dw);
     } else if (const SmallMapPlan *small = GetSmallMapPlan(shape, x_desc)) {
       void *matrix = buffers_[2].Get(small->matrix.get_size());
-      small->backward_weights.Execute(stream_, engine_, d_conv_out.get_data_handle(), x, matrix,
-                                      Scratchpad(small->backward_weights.scratchpad));
+      RunMatmul(small->backward_weights, d_conv_out.get_data_handle(), x, matrix);
       stream_.wait();
       FoldPixelPairs(small->pairs, static_cast<const float *>(matrix), static_cast<float *>(dw), executor_.pool);
     } else if (const auto winograd = TrainingWinograd(shape, true)) {
@@ -1077,8 +1177,7 @@ class Runtime {
       return;
     }
     if (const SmallMapPlan *small = GetSmallMapPlan(shape, x_desc)) {
-      small->backward_data.Execute(stream_, engine_, d_conv_out.get_data_handle(), ExpandWeights(*small, weights),
-                                   dx, Scratchpad(small->backward_data.scratchpad));
+      RunMatmul(small->backward_data, d_conv_out.get_data_handle(), ExpandWeights(*small, weights), dx);
       return;
     }
     if (const auto winograd = TrainingWinograd(shape, false)) {
@@ -1126,23 +1225,36 @@ class Runtime {
       : executor_(Executor::Get()), engine_(executor_.engine), stream_(executor_.stream) {}
 
   // A matmul and the layouts of its (source, weights, destination) it runs on: 2-D, or where that would run on
-  // oneDNN's GEMM, the same product as a batch of column blocks (ColumnBlocks).
+  // oneDNN's GEMM, the same product as a batch of column blocks (ColumnBlocks); or SmallMatmul's way to run it.
   struct MatmulPlan {
     dnnl::matmul primitive;
     memory::desc src, weights, dst, scratchpad;
     bool brgemm = false;
-
-    void Execute(dnnl::stream &stream, dnnl::engine &engine, void *source, void *weight_data, void *destination,
-                 const memory &scratch) const {
-      primitive.execute(stream, {{DNNL_ARG_SRC, memory(src, engine, source)},
-                                 {DNNL_ARG_WEIGHTS, memory(weights, engine, weight_data)},
-                                 {DNNL_ARG_DST, memory(dst, engine, destination)},
-                                 {DNNL_ARG_SCRATCHPAD, scratch}});
-    }
+    SmallProduct small = SmallProduct::kNone;
   };
+
+  static MatrixView View(const memory::desc &desc, const void *data) {
+    const memory::dims dims = desc.get_dims(), strides = desc.get_strides();
+    return MatrixView{static_cast<const float *>(data), dims[0], dims[1], strides[0], strides[1]};
+  }
+
+  // destination = source x weight_data, as the plan says.
+  void RunMatmul(const MatmulPlan &plan, void *source, void *weight_data, void *destination) {
+    if (plan.small != SmallProduct::kNone) {
+      SmallMatmul(executor_.pool, plan.small, View(plan.src, source), View(plan.weights, weight_data),
+                  static_cast<float *>(destination), &matmul_buffers_[0], &matmul_buffers_[1]);
+      return;
+    }
+    plan.primitive.execute(stream_, {{DNNL_ARG_SRC, memory(plan.src, engine_, source)},
+                                     {DNNL_ARG_WEIGHTS, memory(plan.weights, engine_, weight_data)},
+                                     {DNNL_ARG_DST, memory(plan.dst, engine_, destination)},
+                                     {DNNL_ARG_SCRATCHPAD, Scratchpad(plan.scratchpad)}});
+  }
 
   // The plan for src x weights -> dst (2-D, plain strides), or nullopt where oneDNN has only its reference matmul.
   std::optional<MatmulPlan> MakeMatmul(const memory::desc &src, const memory::desc &weights, const memory::desc &dst) {
+    const SmallProduct small = SmallProductFor(src, weights, dst);
+    if (small != SmallProduct::kNone) return MatmulPlan{{}, src, weights, dst, {}, false, small};
     dnnl::primitive_attr attr;
     attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
     auto pd = dnnl::matmul::primitive_desc(engine_, src, weights, dst, attr);
@@ -1228,17 +1340,17 @@ class Runtime {
 
   void OnePixelForward(const OnePixelPlan &plan, void *x, void *weights, void *y) {
     void *centre = CentreTap(plan.centre_io, plan.forward_weights, plan.tap, weights, &buffers_[1]);
-    plan.forward.Execute(stream_, engine_, x, centre, y, Scratchpad(plan.forward.scratchpad));
+    RunMatmul(plan.forward, x, centre, y);
   }
 
   void OnePixelBackwardData(const OnePixelPlan &plan, void *dy, void *weights, void *dx) {
     void *centre = CentreTap(plan.centre_oi, plan.backward_data_weights, plan.tap, weights, &buffers_[1]);
-    plan.backward_data.Execute(stream_, engine_, dy, centre, dx, Scratchpad(plan.backward_data.scratchpad));
+    RunMatmul(plan.backward_data, dy, centre, dx);
   }
 
   void OnePixelBackwardWeights(const OnePixelPlan &plan, void *dy, void *x, void *dw) {
     void *dw_centre = plan.kernel_1x1 ? dw : buffers_[2].Get(plan.dw_centre.get_size());
-    plan.backward_weights.Execute(stream_, engine_, dy, x, dw_centre, Scratchpad(plan.backward_weights.scratchpad));
+    RunMatmul(plan.backward_weights, dy, x, dw_centre);
     if (!plan.kernel_1x1) {  // every other tap only ever met padding: its gradient is zero
       stream_.wait();
       const size_t bytes = static_cast<size_t>(plan.centre_oi.get_dims()[0]) * plan.centre_oi.get_strides()[0] * 4;
@@ -1365,14 +1477,14 @@ class Runtime {
   void GatherForward(const GatherPlan &plan, void *x, void *weights, void *y) {
     void *columns = GatherInput(plan, x, &buffers_[0]);
     void *matrix = GatherWeights(plan, weights);
-    plan.forward.Execute(stream_, engine_, columns, matrix, y, Scratchpad(plan.forward.scratchpad));
+    RunMatmul(plan.forward, columns, matrix, y);
   }
 
   // dx in x_desc's layout: the columns' gradient spread back over the window, zero elsewhere.
   void GatherBackwardData(const GatherPlan &plan, const memory::desc &x_desc, void *dy, void *weights, void *dx) {
     void *matrix = GatherWeights(plan, weights);
     void *columns = plan.copy_x ? buffers_[0].Get(plan.columns.get_size()) : dx;
-    plan.backward_data.Execute(stream_, engine_, dy, matrix, columns, Scratchpad(plan.backward_data.scratchpad));
+    RunMatmul(plan.backward_data, dy, matrix, columns);
     if (!plan.copy_x) return;
     stream_.wait();
     std::memset(dx, 0, x_desc.get_size());
@@ -1383,7 +1495,7 @@ class Runtime {
   void GatherBackwardWeights(const GatherPlan &plan, void *dy, void *x, void *dw) {
     void *columns = GatherInput(plan, x, &buffers_[0]);
     void *matrix = plan.copy_weights ? buffers_[2].Get(plan.matrix.get_size()) : dw;
-    plan.backward_weights.Execute(stream_, engine_, dy, columns, matrix, Scratchpad(plan.backward_weights.scratchpad));
+    RunMatmul(plan.backward_weights, dy, columns, matrix);
     if (!plan.copy_weights) return;
     stream_.wait();
     std::memset(dw, 0, plan.weights_bytes);
@@ -1541,6 +1653,7 @@ class Runtime {
   dnnl::stream &stream_;
   Buffer buffers_[5];  // first input, second input, result, scratchpad; ConvBn's blocked y or dy
   Buffer winograd_weights_;  // a layer's weights transformed for WinogradConvolution
+  Buffer matmul_buffers_[2];  // SmallMatmul's panels and transposed product
   std::unique_ptr<Buffer[]> winograd_buffers_{new Buffer[2 * static_cast<size_t>(executor_.pool.get_num_threads())]};
   std::unique_ptr<Buffer[]> winograd_gradient_buffers_{
       new Buffer[3 * static_cast<size_t>(executor_.pool.get_num_threads())]};
