@@ -556,8 +556,8 @@ void PanelMatmul(dnnl::threadpool_interop::threadpool_iface &pool, int64_t m, in
 
 // Training's matrix products of a batch with large weights, on AVX2: the forward and input gradient of the
 // one-pixel, gathered and small-map convolutions of layer3 and layer4 at 32x32 inputs, (32 x K) x (K x N). oneDNN
-// runs them on its GEMM, at 84-160 GFLOP/s, slowest on (K, N) weights read by rows (the input gradient): 84-122 in a
-// standalone timing of these shapes on two threads, against 127-146 here. The forward ran 0.97-1.20x oneDNN's here.
+// runs them on its GEMM, at 84-160 GFLOP/s, slowest on (K, N) weights read by rows (the input gradient): 84-120 in a
+// standalone timing of these shapes on two threads, against 122-144 here; the forward ran 1.06-1.24x oneDNN's here.
 // Their weight gradients, (N x 32) x (32 x K), stay on oneDNN's GEMM, which ran them at 155-170 (0.86-1.03x here).
 constexpr int64_t kSmallSide = 64;  // the batch's largest size
 
