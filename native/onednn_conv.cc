@@ -1307,13 +1307,13 @@ class Runtime {
     const memory::desc dy_transposed({out, n}, f32, memory::dims{1, out});
     const memory::desc io({in, out}, f32, tag::ab), oi({out, in}, f32, tag::ab);
     // Forward, y = x . centre^T: on the weights in place where oneDNN has a brgemm kernel for the transposed
-    // read. Else with AVX-512 on a contiguous (I, O) copy (its GEMM on the transposed read measured 2-4x slower
-    // than the copy), and without, on the transposed read of contiguous (O, I) rows: AVX2's GEMM ran (32 x K) x
-    // (K x N) products 1.2-1.8x faster so than on (I, O) (a standalone oneDNN timing, two threads), and a 1x1
-    // kernel's weights are those rows.
+    // read, or SmallMatmul runs it (AVX2, a 1x1 kernel: its weights are contiguous (O, I) rows). Else with AVX-512
+    // on a contiguous (I, O) copy (its GEMM on the transposed read measured 2-4x slower than the copy), and
+    // without, on a copy of the centre tap as contiguous (O, I) rows, which SmallMatmul reads in place (before it,
+    // AVX2's GEMM had run (32 x K) x (K x N) products 1.2-1.8x faster so than on (I, O)).
     auto forward = MakeMatmul(x, plan.centre_io, y);
     plan.forward_weights = plan.centre_io;
-    if (!forward || !forward->brgemm) {
+    if (!forward || !(forward->brgemm || forward->small != SmallProduct::kNone)) {
       const memory::desc rows_read_transposed({in, out}, f32, memory::dims{1, in});
       plan.forward_weights = ChannelBlock() == 16 ? io : rows_read_transposed;
       forward = MakeMatmul(x, plan.forward_weights, y);
