@@ -572,17 +572,27 @@ def ceiling_table(measurements: Sequence[Measurement], keys: Sequence[Tuple[str,
 
 
 def train_py_table(measurements: Sequence[Measurement]) -> str:
-    """Markdown table: a real train.py run's training images/s next to the benchmark's MindSpore training step."""
-    rows = ["| input | batch | benchmark.py MindSpore img/s | train.py img/s | train.py / benchmark.py |",
-            "|---|---|---|---|---|"]
+    """Markdown table: a real train.py run's training images/s next to the benchmark's MindSpore training step,
+    pooled and, with several rounds, round by round (each round's train.py run against that round's step, measured
+    one after the other): a slow phase of a shared machine moves a single pair, the round ratios show it."""
+    rounds = any(len(m.round_images_per_second) > 1 for m in measurements if m.framework == "train.py")
+    rows = ["| input | batch | benchmark.py MindSpore img/s | train.py img/s | train.py / benchmark.py |"
+            + (" by round |" if rounds else ""),
+            "|---|---|---|---|---|" + ("---|" if rounds else "")]
     bench = {(m.image_size, m.batch_size): m for m in measurements if m.framework == "mindspore"
              and m.mode == "train" and m.recipe in ("", "O0")}
     for run in sorted((m for m in measurements if m.framework == "train.py"), key=lambda m: (m.image_size,
                                                                                              m.batch_size)):
         ours = bench.get((run.image_size, run.batch_size))
-        rows.append(f"| {run.image_size}x{run.image_size} | {run.batch_size} | "
-                    f"{f'{ours.images_per_second:.1f}' if ours else '-'} | {run.images_per_second:.1f} | "
-                    f"{f'{run.images_per_second / ours.images_per_second:.2f}x' if ours else '-'} |")
+        row = (f"| {run.image_size}x{run.image_size} | {run.batch_size} | "
+               f"{f'{ours.images_per_second:.1f}' if ours else '-'} | {run.images_per_second:.1f} | "
+               f"{f'{run.images_per_second / ours.images_per_second:.2f}x' if ours else '-'} |")
+        if rounds:
+            theirs = ours.round_images_per_second if ours else []
+            ratios = [a / b for a, b in zip(run.round_images_per_second, theirs)] \
+                if len(theirs) == len(run.round_images_per_second) else []
+            row += f" {' / '.join(f'{r:.2f}x' for r in ratios) or '-'} |"
+        rows.append(row)
     return "\n".join(rows)
 
 

@@ -255,7 +255,7 @@ class Trainer:
                 now = time.perf_counter()
                 counted = end - last_reported_step - report_skipped
                 scale = self.step.loss_scale()
-                logger.info("epoch %d/%d step %d/%d loss %s lr %.6g %.1f images/s%s", epoch + 1, config.epoch_size,
+                logger.info("epoch %d/%d step %d/%d loss %s lr %.6g %.2f images/s%s", epoch + 1, config.epoch_size,
                             end, self.steps_per_epoch, f"{report_loss_sum / counted:.4f}" if counted else "n/a",
                             self.learning_rates[epoch * self.steps_per_epoch + end - 1],
                             (end - last_reported_step) * images_per_step / max(now - last_report, 1e-9),

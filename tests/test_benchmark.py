@@ -279,6 +279,35 @@ def test_train_py_table_puts_a_real_run_beside_the_benchmarks_step():
     assert "| train | 32x32 | 8 | 2 | 8.0 | - |" in text  # the main table still shows the benchmark's own step
 
 
+def test_train_py_table_pairs_each_round_with_the_step_measured_next_to_it():
+    """With several rounds each train.py run is compared with its own round's benchmark step, not only pooled."""
+    measurements = [Measurement("mindspore", "train", 224, 32, 2, [4.0] * 3, recipe="O0",
+                                round_images_per_second=[8.0, 4.0, 8.0]),
+                    Measurement("train.py", "train", 224, 32, 2, [4.0] * 3, round_images_per_second=[8.8, 4.0, 7.2])]
+    text = table(measurements)
+    assert "| train.py / benchmark.py | by round |" in text
+    assert "| 224x224 | 32 | 8.0 | 8.0 | 1.00x | 1.10x / 1.00x / 0.90x |" in text
+    one_round = [replace(m, round_images_per_second=m.round_images_per_second[:1]) for m in measurements]
+    assert "by round" not in table(one_round)
+
+
+def test_train_py_runs_right_after_the_benchmarks_own_step(monkeypatch, tmp_path):
+    """In each round train.py follows MindSpore's step directly, so the pair shares the machine's phase. The
+    measurements themselves are replaced by records of their order: this tests the schedule alone."""
+    import benchmark
+    order = []
+
+    def measure(framework, *args, **kwargs):
+        order.append(framework)
+        return Measurement(framework, "train", 32, 2, 2, [1.0], recipe=args[-3] if framework == "mindspore" else "")
+    monkeypatch.setattr(benchmark, "measure_in_subprocess", measure)
+    monkeypatch.setattr(benchmark, "measure_train_py", lambda *args, **kwargs: measure("train.py", ""))
+    args = benchmark.parse_args(["--sizes", "32", "--modes", "train", "--rounds", "2", "--train_py",
+                                 "--recipes", "O0,O2", "--batch_size", "2"])
+    benchmark.measure_models(args, ["mindspore", "torch"], {32: 1}, {}, str(tmp_path))
+    assert order == ["mindspore", "mindspore", "train.py", "torch"] * 2
+
+
 @pytest.mark.slow
 def test_train_py_measurement_times_a_real_train_py_run(tmp_path):
     """--train_py runs train.py itself: two epochs, the second one's steps timed from its own log lines."""
