@@ -61,20 +61,28 @@ def mindspore_mode_restored():
 
 
 # A folder per test run for memory_heavy's lock file and torch's compile cache (importing torchvision creates
-# torch's cache folder, /tmp/torchinductor_<user> by default): made by the run's main process, whose environment
-# its xdist workers (and any pytest or script a test starts) inherit; that process removes it when the run ends.
+# torch's cache folder, /tmp/torchinductor_<user> by default): made by the run's main process when pytest starts
+# (not at import: a script importing this module's helpers would leave one behind), and inherited through the
+# environment by its xdist workers and any pytest or script a test starts; that process removes it at the end.
 RUN_FOLDER = "RESNET_TESTS_RUN_FOLDER"
 MEMORY_LOCK = "RESNET_TESTS_MEMORY_LOCK"
-OWNS_RUN_FOLDER = RUN_FOLDER not in os.environ
-if OWNS_RUN_FOLDER:
-    os.environ[RUN_FOLDER] = tempfile.mkdtemp(prefix="resnet-tests-")
-    os.environ[MEMORY_LOCK] = str(Path(os.environ[RUN_FOLDER]) / "memory.lock")
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(os.environ[RUN_FOLDER]) / "torchinductor"))
+_owned_run_folder: Optional[str] = None
+
+
+def pytest_configure(config) -> None:
+    global _owned_run_folder
+    if RUN_FOLDER not in os.environ:
+        _owned_run_folder = tempfile.mkdtemp(prefix="resnet-tests-")
+        os.environ[RUN_FOLDER] = _owned_run_folder
+        os.environ[MEMORY_LOCK] = str(Path(_owned_run_folder) / "memory.lock")
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(_owned_run_folder) / "torchinductor"))
 
 
 def pytest_unconfigure(config) -> None:
-    if OWNS_RUN_FOLDER:
-        shutil.rmtree(os.environ[RUN_FOLDER], ignore_errors=True)
+    if _owned_run_folder:
+        shutil.rmtree(_owned_run_folder, ignore_errors=True)
+        for name in (RUN_FOLDER, MEMORY_LOCK):
+            os.environ.pop(name, None)
 
 
 @contextlib.contextmanager
