@@ -173,8 +173,11 @@ def measure_models(args: argparse.Namespace, frameworks: List[str], macs: Dict[i
             runs = [(framework, recipe) for framework in frameworks if mode == "eval" or framework != "onnxruntime"
                     for recipe in (args.recipes if framework == "mindspore" and mode == "train" else [""])]
             if mode == "train" and args.train_py:
-                # Right after MindSpore's own step: the pair then shares the machine's phase, round by round.
-                runs.insert(sum(framework == "mindspore" for framework, _ in runs), ("train.py", ""))
+                # Right after MindSpore's own step (whatever --frameworks' order): the pair then shares the
+                # machine's phase, round by round.
+                after = max((index + 1 for index, (framework, _) in enumerate(runs) if framework == "mindspore"),
+                            default=len(runs))
+                runs.insert(after, ("train.py", ""))
             for framework, recipe in runs:
                 steps = args.steps or (5 if size <= 64 else 1)
                 what = f"{framework} {recipe}".strip()

@@ -291,7 +291,8 @@ def test_train_py_table_pairs_each_round_with_the_step_measured_next_to_it():
     assert "by round" not in table(one_round)
 
 
-def test_train_py_runs_right_after_the_benchmarks_own_step(monkeypatch, tmp_path):
+@pytest.mark.parametrize("frameworks", [["mindspore", "torch"], ["torch", "mindspore"]])
+def test_train_py_runs_right_after_the_benchmarks_own_step(monkeypatch, tmp_path, frameworks):
     """In each round train.py follows MindSpore's step directly, so the pair shares the machine's phase. The
     measurements themselves are replaced by records of their order: this tests the schedule alone."""
     import benchmark
@@ -304,8 +305,9 @@ def test_train_py_runs_right_after_the_benchmarks_own_step(monkeypatch, tmp_path
     monkeypatch.setattr(benchmark, "measure_train_py", lambda *args, **kwargs: measure("train.py", ""))
     args = benchmark.parse_args(["--sizes", "32", "--modes", "train", "--rounds", "2", "--train_py",
                                  "--recipes", "O0,O2", "--batch_size", "2"])
-    benchmark.measure_models(args, ["mindspore", "torch"], {32: 1}, {}, str(tmp_path))
-    assert order == ["mindspore", "mindspore", "train.py", "torch"] * 2
+    benchmark.measure_models(args, frameworks, {32: 1}, {}, str(tmp_path))
+    expected = {"mindspore": ["mindspore", "mindspore", "train.py"], "torch": ["torch"]}  # O0 and O2, then train.py
+    assert order == [run for framework in frameworks for run in expected[framework]] * 2
 
 
 @pytest.mark.slow
