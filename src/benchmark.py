@@ -488,6 +488,11 @@ def table(measurements: Sequence[Measurement], gemms: Sequence[GemmMeasurement] 
     return "\n".join(rows)
 
 
+def round_ratios(ours: Sequence[float], theirs: Sequence[float]) -> List[float]:
+    """Each round's rate over the other's in the same round; none unless both have every round."""
+    return [a / b for a, b in zip(ours, theirs)] if len(ours) == len(theirs) else []
+
+
 def round_table(measurements: Sequence[Measurement], keys: Sequence[Tuple[str, int, int]]) -> str:
     """Markdown table of MindSpore's ratio to PyTorch and to onnxruntime in each round (each round's median against
     the other framework's in the same round), and the lowest: what a target for every round is checked against."""
@@ -501,8 +506,7 @@ def round_table(measurements: Sequence[Measurement], keys: Sequence[Tuple[str, i
                  if (m.mode, m.image_size, m.batch_size) == (mode, size, batch)}
         cells = []
         for name in others:
-            ours, theirs = found.get("mindspore", []), found.get(name, [])
-            ratios = [a / b for a, b in zip(ours, theirs)] if len(ours) == len(theirs) else []
+            ratios = round_ratios(found.get("mindspore", []), found.get(name, []))
             cells += [" / ".join(f"{r:.2f}x" for r in ratios) or "-", f"{min(ratios):.2f}x" if ratios else "-"]
         rows.append(f"| {mode} | {size}x{size} | {batch} | " + " | ".join(cells) + " |")
     return "\n".join(rows)
@@ -588,9 +592,7 @@ def train_py_table(measurements: Sequence[Measurement]) -> str:
                f"{f'{ours.images_per_second:.1f}' if ours else '-'} | {run.images_per_second:.1f} | "
                f"{f'{run.images_per_second / ours.images_per_second:.2f}x' if ours else '-'} |")
         if rounds:
-            theirs = ours.round_images_per_second if ours else []
-            ratios = [a / b for a, b in zip(run.round_images_per_second, theirs)] \
-                if len(theirs) == len(run.round_images_per_second) else []
+            ratios = round_ratios(run.round_images_per_second, ours.round_images_per_second if ours else [])
             row += f" {' / '.join(f'{r:.2f}x' for r in ratios) or '-'} |"
         rows.append(row)
     return "\n".join(rows)
