@@ -10,6 +10,7 @@ import tarfile
 import tempfile
 import urllib.parse
 from pathlib import Path
+from typing import List
 
 from src.dataset import TRAIN_FILES
 from src.download import download
@@ -23,6 +24,22 @@ def file_md5(path: Path) -> str:
     return file_digest(path, "md5")
 
 
+def _checked_members(tar: tarfile.TarFile, folder: Path) -> List[tarfile.TarInfo]:
+    """The archive's members if each is a plain file or folder that lands inside folder; else TarError.
+
+    tarfile's "data" filter does this and more, but only Pythons from 3.9.17, 3.10.12 and 3.11.4 have it, and
+    extractall(filter=...) raises TypeError before them. CIFAR-10's archive holds no links or devices, so they
+    are refused outright."""
+    root = folder.resolve()
+    members = tar.getmembers()
+    for member in members:
+        target = (root / member.name).resolve()
+        if not (member.isfile() or member.isdir()) or (target != root and root not in target.parents):
+            raise tarfile.TarError(f"member {member.name!r} is a link or a device, or lands outside the folder it "
+                                   "is extracted into")
+    return members
+
+
 def extract_cifar_archive(archive: Path, data_path: Path) -> Path:
     """Extracts the archive's cifar-10-batches-bin folder to data_path, in one rename at the end.
 
@@ -33,7 +50,9 @@ def extract_cifar_archive(archive: Path, data_path: Path) -> Path:
     try:
         try:
             with tarfile.open(archive, "r:gz") as tar:
-                tar.extractall(staging, filter="data")  # "data" refuses absolute paths and links outside
+                members = _checked_members(tar, staging)
+                # The filter also drops set-uid bits and keeps Python 3.12+ from warning, where it exists.
+                tar.extractall(staging, members, **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))
         except (tarfile.TarError, OSError, EOFError) as exc:
             raise UserError(f"{archive} could not be extracted ({exc}); delete it and download again") from None
         found = [p for p in staging.rglob(TRAIN_FILES[0])]

@@ -10,7 +10,7 @@ import random
 import socket
 import tarfile
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import numpy as np
 import pytest
@@ -28,8 +28,10 @@ LOGGER = logging.getLogger("test_download")
 
 # ---------------------------------------------------------------- helpers: archives and a local server
 
-def make_archive(files: Dict[str, bytes], folder: str = ARCHIVE_FOLDER, compresslevel: int = 6) -> bytes:
-    """A gzip'd tar holding folder/NAME for each NAME -> content (folder '' puts them at the top)."""
+def make_archive(files: Dict[str, bytes], folder: str = ARCHIVE_FOLDER, compresslevel: int = 6,
+                 links: Optional[Dict[str, str]] = None) -> bytes:
+    """A gzip'd tar holding folder/NAME for each NAME -> content (folder '' puts them at the top), and a
+    symbolic link folder/NAME -> TARGET for each of links."""
     buffer = io.BytesIO()
     with tarfile.open(fileobj=buffer, mode="w:gz", compresslevel=compresslevel) as tar:
         if folder:
@@ -40,6 +42,10 @@ def make_archive(files: Dict[str, bytes], folder: str = ARCHIVE_FOLDER, compress
             info = tarfile.TarInfo(f"{folder}/{name}" if folder else name)
             info.size, info.mode = len(content), 0o644
             tar.addfile(info, io.BytesIO(content))
+        for name, target in (links or {}).items():
+            info = tarfile.TarInfo(f"{folder}/{name}" if folder else name)
+            info.type, info.linkname = tarfile.SYMTYPE, target
+            tar.addfile(info)
     return buffer.getvalue()
 
 
@@ -75,6 +81,14 @@ def server():
     local.close()
 
 
+@pytest.fixture(params=["tarfile as installed", "tarfile without extraction filters"])
+def tarfile_filters(request, monkeypatch):
+    """Extraction on this Python, and as on Pythons before 3.9.17, 3.10.12 and 3.11.4, whose tarfile has no
+    extraction filters (extractall takes no filter there)."""
+    if request.param == "tarfile without extraction filters":
+        monkeypatch.delattr(tarfile, "data_filter", raising=False)
+
+
 @pytest.fixture
 def data_path(tmp_path) -> Path:
     return tmp_path / "data" / ARCHIVE_FOLDER
@@ -89,7 +103,7 @@ def leftovers(folder: Path) -> List[str]:
 
 # ---------------------------------------------------------------- download_cifar10 against the local server
 
-def test_download_extracts_archive_with_identical_bytes(server, data_path):
+def test_download_extracts_archive_with_identical_bytes(server, data_path, tarfile_filters):
     files = small_cifar_files()
     archive_bytes = make_archive(files)
     url = server.serve(archive_bytes)
@@ -201,10 +215,16 @@ def test_archive_that_is_not_gzip_is_refused(server, data_path):
     assert leftovers(data_path.parent) == []
 
 
-def test_archive_member_escaping_the_folder_is_refused(server, data_path, tmp_path):
+@pytest.mark.parametrize("escape", ["../../escaped.bin", "link to a file outside"])
+def test_archive_member_escaping_the_folder_is_refused(server, data_path, tmp_path, tarfile_filters, escape):
     files = small_cifar_files()
-    files["../../escaped.bin"] = b"outside"
-    archive_bytes = make_archive(files)
+    outside = tmp_path / "outside.bin"
+    outside.write_bytes(b"outside")
+    if escape == "link to a file outside":
+        archive_bytes = make_archive(files, links={"escaped.bin": str(outside)})
+    else:
+        files[escape] = b"outside"
+        archive_bytes = make_archive(files)
 
     with pytest.raises(UserError) as info:
         download_cifar10(str(data_path), server.serve(archive_bytes), md5_of(archive_bytes), LOGGER)
