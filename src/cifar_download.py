@@ -27,8 +27,8 @@ def file_md5(path: Path) -> str:
 def _checked_members(tar: tarfile.TarFile, folder: Path) -> List[tarfile.TarInfo]:
     """The archive's members if each is a plain file or folder that lands inside folder; else TarError.
 
-    tarfile's "data" filter does this and more, but only Pythons from 3.9.17, 3.10.12 and 3.11.4 have it, and
-    extractall(filter=...) raises TypeError before them. CIFAR-10's archive holds no links or devices, so they
+    tarfile's "data" filter does this and more, but Python 3.10 has it only from 3.10.12 and 3.11 from 3.11.4;
+    before them extractall(filter=...) raises TypeError. CIFAR-10's archive holds no links or devices, so they
     are refused outright."""
     root = folder.resolve()
     members = tar.getmembers()

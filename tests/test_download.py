@@ -83,8 +83,8 @@ def server():
 
 @pytest.fixture(params=["tarfile as installed", "tarfile without extraction filters"])
 def tarfile_filters(request, monkeypatch):
-    """Extraction on this Python, and as on Pythons before 3.9.17, 3.10.12 and 3.11.4, whose tarfile has no
-    extraction filters (extractall takes no filter there)."""
+    """Extraction on this Python, and as on Pythons before 3.10.12 and 3.11.4, whose tarfile has no extraction
+    filters (extractall takes no filter there)."""
     if request.param == "tarfile without extraction filters":
         monkeypatch.delattr(tarfile, "data_filter", raising=False)
 
