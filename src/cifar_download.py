@@ -10,7 +10,7 @@ import tarfile
 import tempfile
 import urllib.parse
 from pathlib import Path
-from typing import List
+from typing import Iterator
 
 from src.dataset import TRAIN_FILES
 from src.download import download
@@ -24,20 +24,21 @@ def file_md5(path: Path) -> str:
     return file_digest(path, "md5")
 
 
-def _checked_members(tar: tarfile.TarFile, folder: Path) -> List[tarfile.TarInfo]:
-    """The archive's members if each is a plain file or folder that lands inside folder; else TarError.
+def _checked_members(tar: tarfile.TarFile, folder: Path) -> Iterator[tarfile.TarInfo]:
+    """The archive's members, one by one as they are read, each checked to be a plain file or folder that lands
+    inside folder; else TarError.
 
     tarfile's "data" filter does this and more, but Python 3.10 has it only from 3.10.12 and 3.11 from 3.11.4;
     before them extractall(filter=...) raises TypeError. CIFAR-10's archive holds no links or devices, so they
-    are refused outright."""
+    are refused outright. Lazy, so that extractall decompresses the archive once: members before a bad one are
+    already extracted, into the staging folder the caller removes."""
     root = folder.resolve()
-    members = tar.getmembers()
-    for member in members:
+    for member in tar:
         target = (root / member.name).resolve()
         if not (member.isfile() or member.isdir()) or (target != root and root not in target.parents):
             raise tarfile.TarError(f"member {member.name!r} is a link or a device, or lands outside the folder it "
                                    "is extracted into")
-    return members
+        yield member
 
 
 def extract_cifar_archive(archive: Path, data_path: Path) -> Path:
@@ -50,9 +51,9 @@ def extract_cifar_archive(archive: Path, data_path: Path) -> Path:
     try:
         try:
             with tarfile.open(archive, "r:gz") as tar:
-                members = _checked_members(tar, staging)
                 # The filter also drops set-uid bits and keeps Python 3.12+ from warning, where it exists.
-                tar.extractall(staging, members, **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))
+                data_filter = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
+                tar.extractall(staging, _checked_members(tar, staging), **data_filter)
         except (tarfile.TarError, OSError, EOFError) as exc:
             raise UserError(f"{archive} could not be extracted ({exc}); delete it and download again") from None
         found = [p for p in staging.rglob(TRAIN_FILES[0])]

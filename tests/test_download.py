@@ -17,7 +17,7 @@ import pytest
 
 from conftest import FAST_ARGS, assert_one_line_error, flip_one_byte, run_script, temp_files
 from local_http import LocalServer, no_proxy_for_localhost  # noqa: F401 (an autouse fixture)
-from src.cifar_download import ARCHIVE_FOLDER, download_cifar10, file_md5
+from src.cifar_download import ARCHIVE_FOLDER, download_cifar10, extract_cifar_archive, file_md5
 from src.dataset import FILE_BYTES, RECORD_BYTES, RECORDS_PER_FILE, TEST_FILE, TRAIN_FILES
 from src.errors import UserError
 
@@ -233,6 +233,30 @@ def test_archive_member_escaping_the_folder_is_refused(server, data_path, tmp_pa
     assert not data_path.exists()
     assert [p for p in tmp_path.rglob("escaped.bin")] == []
     assert leftovers(data_path.parent) == []
+
+
+def bytes_read_by_this_process() -> int:
+    """rchar of /proc/self/io: every byte this process has read, from files or sockets."""
+    for line in Path("/proc/self/io").read_text().splitlines():
+        if line.startswith("rchar:"):
+            return int(line.split()[1])
+    raise AssertionError("/proc/self/io has no rchar line")
+
+
+@pytest.mark.skipif(not Path("/proc/self/io").exists(), reason="needs Linux's /proc/self/io")
+def test_extraction_reads_the_archive_once(data_path, tarfile_filters):
+    """The member check must not decompress the archive on its own before extractall does (162 MB for CIFAR-10)."""
+    files = {name: random.Random(index).randbytes(4 << 20) for index, name in enumerate(ALL_FILES)}
+    archive = data_path.parent / ARCHIVE_NAME
+    archive.parent.mkdir(parents=True)
+    archive.write_bytes(make_archive(files, compresslevel=1))  # random bytes: the archive is about 24 MB
+
+    before = bytes_read_by_this_process()
+    extract_cifar_archive(archive, data_path)
+    read = bytes_read_by_this_process() - before
+
+    assert archive.stat().st_size <= read < 1.5 * archive.stat().st_size
+    assert {p.name: p.read_bytes() for p in data_path.iterdir()} == files
 
 
 def test_existing_archive_with_wrong_md5_is_not_replaced_silently(server, data_path):
