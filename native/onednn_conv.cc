@@ -510,10 +510,66 @@ __attribute__((target("avx2,fma"))) void PanelRows(const float *a, int64_t lda, 
   }
 }
 
-// PanelRows for a block of `rows` (1 to kPanelRowBlock) rows.
+// PanelRows with AVX-512: a panel's 16 columns are one vector, so a row takes one accumulator and 12 rows (of the
+// 32 registers) hide the FMAs' latency.
+template <int R, bool kColumns = false>
+__attribute__((target("avx512f"))) void PanelRows512(const float *a, int64_t lda, const float *panel, int64_t depth,
+                                                      float *c, int64_t ldc, bool first, const PanelEpilogue *last) {
+  __m512 sums[R];
+#pragma GCC unroll 12
+  for (int r = 0; r < R; ++r) sums[r] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(c + r * ldc);
+  for (int64_t i = 0; i < depth; ++i) {
+    const __m512 columns = _mm512_load_ps(panel + i * kPanelColumns);
+#pragma GCC unroll 12
+    for (int r = 0; r < R; ++r) {
+      sums[r] = _mm512_fmadd_ps(_mm512_set1_ps(kColumns ? a[i * lda + r] : a[r * lda + i]), columns, sums[r]);
+    }
+  }
+  if (last != nullptr) {
+    const __m512 bias = _mm512_loadu_ps(last->bias);
+#pragma GCC unroll 12
+    for (int r = 0; r < R; ++r) {
+      sums[r] = _mm512_add_ps(sums[r], bias);
+      if (last->residual != nullptr) {
+        sums[r] = _mm512_add_ps(sums[r], _mm512_loadu_ps(last->residual + r * last->residual_stride));
+      }
+      if (last->relu) sums[r] = _mm512_max_ps(sums[r], _mm512_setzero_ps());
+    }
+  }
+#pragma GCC unroll 12
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(c + r * ldc, sums[r]);
+}
+
+// Whether PanelRowBlock runs PanelRows512: where oneDNN's ISA in effect is AVX-512 (only the Winograd layers'
+// products run on the panels there).
+bool PanelsAvx512() {
+  static const bool avx512 = StepVectorBits() == 512;
+  return avx512;
+}
+
+// Rows a call of PanelRowBlock takes at most: 12 with AVX-512, else kPanelRowBlock.
+int64_t PanelRowsAtOnce() { return PanelsAvx512() ? 12 : kPanelRowBlock; }
+
+// PanelRows for a block of `rows` (1 to PanelRowsAtOnce()) rows.
 template <bool kColumns = false>
 void PanelRowBlock(int64_t rows, const float *a, int64_t lda, const float *panel, int64_t depth, float *c,
                    int64_t ldc, bool first, const PanelEpilogue *last) {
+  if (PanelsAvx512()) {
+    switch (rows) {
+      case 12: PanelRows512<12, kColumns>(a, lda, panel, depth, c, ldc, first, last); return;
+      case 11: PanelRows512<11, kColumns>(a, lda, panel, depth, c, ldc, first, last); return;
+      case 10: PanelRows512<10, kColumns>(a, lda, panel, depth, c, ldc, first, last); return;
+      case 9: PanelRows512<9, kColumns>(a, lda, panel, depth, c, ldc, first, last); return;
+      case 8: PanelRows512<8, kColumns>(a, lda, panel, depth, c, ldc, first, last); return;
+      case 7: PanelRows512<7, kColumns>(a, lda, panel, depth, c, ldc, first, last); return;
+      case 6: PanelRows512<6, kColumns>(a, lda, panel, depth, c, ldc, first, last); return;
+      case 5: PanelRows512<5, kColumns>(a, lda, panel, depth, c, ldc, first, last); return;
+      case 4: PanelRows512<4, kColumns>(a, lda, panel, depth, c, ldc, first, last); return;
+      case 3: PanelRows512<3, kColumns>(a, lda, panel, depth, c, ldc, first, last); return;
+      case 2: PanelRows512<2, kColumns>(a, lda, panel, depth, c, ldc, first, last); return;
+      default: PanelRows512<1, kColumns>(a, lda, panel, depth, c, ldc, first, last); return;
+    }
+  }
   switch (rows) {
     case 6: PanelRows<6, kColumns>(a, lda, panel, depth, c, ldc, first, last); break;
     case 5: PanelRows<5, kColumns>(a, lda, panel, depth, c, ldc, first, last); break;
@@ -528,15 +584,15 @@ void PanelRowBlock(int64_t rows, const float *a, int64_t lda, const float *panel
 // plus the bias [+ residual (m, n)] and the post-op on the last slice.
 void PanelColumns(int64_t p, int64_t m, int64_t k, int64_t n, const float *a, const float *panels, const float *bias,
                   const float *residual, PostOp post, float *c) {
-  const int64_t column = p * kPanelColumns;
+  const int64_t column = p * kPanelColumns, block = PanelRowsAtOnce();
   for (int64_t start = 0; start < k; start += kPanelSlice) {
     const int64_t depth = std::min(kPanelSlice, k - start);
     const float *panel = panels + (p * k + start) * kPanelColumns;
-    for (int64_t row = 0; row < m; row += kPanelRowBlock) {
+    for (int64_t row = 0; row < m; row += block) {
       const PanelEpilogue epilogue{bias ? bias + column : nullptr, residual ? residual + row * n + column : nullptr, n,
                                    post != PostOp::kNone};
       const PanelEpilogue *last = bias != nullptr && start + depth == k ? &epilogue : nullptr;
-      PanelRowBlock(std::min(kPanelRowBlock, m - row), a + row * k + start, k, panel, depth, c + row * n + column, n,
+      PanelRowBlock(std::min(block, m - row), a + row * k + start, k, panel, depth, c + row * n + column, n,
                     start == 0, last);
     }
   }
@@ -664,7 +720,11 @@ void SmallMatmul(dnnl::threadpool_interop::threadpool_iface &pool, SmallProduct 
 // transformed inputs and products stay in L2, each thread taking whole chunks. oneDNN's AVX2 build has no Winograd
 // kernel (oneDNN's are AVX-512 code). Standalone, on ResNet-50's 3x3 layers at batch 32: 1.4x (56x56, 64 channels) to
 // 2.1x (14x14, 256) oneDNN's direct convolution, the results within 1e-5 of its.
-constexpr int kWinogradBlock = 8, kWinogradPositions = 16;
+// Inference runs F(4x4, 3x3) where the map has enough tiles for it: 4x4 output tiles from 6x6 input tiles, 36
+// products for 16 outputs (2.25 per output against F(2x2, 3x3)'s 4). Its rounding error is larger, which is why
+// training's gradients keep F(2x2, 3x3) (their parity tests compare against float64 torch). With AVX-512 the
+// inference runs these layers too, on 16-channel blocks read as two halves, its products in PanelRows512.
+constexpr int kWinogradBlock = 8, kWinogradPositions = 16;  // F(2x2, 3x3)'s; WinogradShape::positions() in general
 constexpr int64_t kWinogradChunkBytes = 300 * 1024;  // a chunk's transformed input and products, per thread
 constexpr int64_t kWinogradMinTiles = 12;            // fewer (a batch of one 4x4 map): direct is faster
 // Tiles a chunk of the weight gradient has at least: each chunk reads and writes the thread's (16, out, in) sums.
@@ -672,23 +732,63 @@ constexpr int64_t kWinogradGradientTiles = 128;
 
 struct WinogradShape {
   int64_t batch, in, out, height, width;  // input and output maps are height x width
-  int64_t tile_rows() const { return (height + 1) / 2; }
-  int64_t tile_columns() const { return (width + 1) / 2; }
+  int64_t tile = 2;                       // output tiles are tile x tile: F(2x2, 3x3) or F(4x4, 3x3)
+  int64_t tile_rows() const { return (height + tile - 1) / tile; }
+  int64_t tile_columns() const { return (width + tile - 1) / tile; }
   int64_t tiles() const { return batch * tile_rows() * tile_columns(); }
+  int64_t positions() const { return (tile + 2) * (tile + 2); }
 };
 
-// Whether a 3x3 stride-1 convolution with padding 1 from `in` to `out` channels on these maps, between channel
-// blocks, runs WinogradConvolution: AVX2's 8-channel blocks, whole panels of output channels, enough tiles.
-bool WinogradUsable(const WinogradShape &s) {
-  return ChannelBlock() == kWinogradBlock && s.in % kWinogradBlock == 0 && PanelsUsable(s.out) &&
-         s.tiles() >= kWinogradMinTiles;
+// Whether the Winograd layers' products can run on the panels: with AVX2 and FMA, or with AVX-512 (PanelRows512),
+// unlike PanelsUsable's matrix products, which AVX-512 machines leave to oneDNN's brgemm matmul.
+bool WinogradPanelsUsable(int64_t n) {
+  return StepVectorBits() >= 256 && __builtin_cpu_supports("fma") && n % kPanelColumns == 0;
 }
 
-// U: (16 positions, out / 16, in, 16) from OIHW weights g of (out, in) channels; with data_gradient, of the
-// convolution that computes a 3x3 stride-1 layer's input gradient, whose kernel (o, i) is the layer's (i, o) turned
-// by 180 degrees (g then has (in, out) channels). Split over the pool's threads by panels of 16 output channels.
+// Where the 8 channels [8 * group, 8 * group + 8) of `image` start in a map of `channels` channels held in blocks
+// of ChannelBlock() (AVX2's 8, or AVX-512's 16, of which a group is one half); its pixels are ChannelBlock()
+// floats apart. The Winograd transforms read and write 8 channels at a time either way.
+int64_t GroupOffset(int64_t channels, int64_t height, int64_t width, int64_t image, int64_t group) {
+  const int64_t block = ChannelBlock(), halves = block / kWinogradBlock;
+  return (image * (channels / block) + group / halves) * height * width * block + group % halves * kWinogradBlock;
+}
+
+// Whether a 3x3 stride-1 convolution with padding 1 from `in` to `out` channels on these maps, between channel
+// blocks, runs WinogradConvolution: whole channel blocks, whole panels of output channels, enough tiles.
+bool WinogradUsable(const WinogradShape &s) {
+  return s.in % ChannelBlock() == 0 && WinogradPanelsUsable(s.out) && s.tiles() >= kWinogradMinTiles;
+}
+
+// A 3x3 kernel's F(4x4, 3x3) transform G g G^T (6x6, by rows) from its taps by rows.
+void WinogradKernel4x4(const float w[9], float u[36]) {
+  float t[6][3];  // G g
+  for (int j = 0; j < 3; ++j) {
+    const float w0 = w[j], w1 = w[3 + j], w2 = w[6 + j];
+    t[0][j] = w0 / 4.0f;
+    t[1][j] = -(w0 + w1 + w2) / 6.0f;
+    t[2][j] = -(w0 - w1 + w2) / 6.0f;
+    t[3][j] = w0 / 24.0f + w1 / 12.0f + w2 / 6.0f;
+    t[4][j] = w0 / 24.0f - w1 / 12.0f + w2 / 6.0f;
+    t[5][j] = w2;
+  }
+  for (int r = 0; r < 6; ++r) {
+    const float w0 = t[r][0], w1 = t[r][1], w2 = t[r][2];
+    float *row = u + r * 6;
+    row[0] = w0 / 4.0f;
+    row[1] = -(w0 + w1 + w2) / 6.0f;
+    row[2] = -(w0 - w1 + w2) / 6.0f;
+    row[3] = w0 / 24.0f + w1 / 12.0f + w2 / 6.0f;
+    row[4] = w0 / 24.0f - w1 / 12.0f + w2 / 6.0f;
+    row[5] = w2;
+  }
+}
+
+// U: (positions, out / 16, in, 16) from OIHW weights g of (out, in) channels, for output tiles of `tile`; with
+// data_gradient, of the convolution that computes a 3x3 stride-1 layer's input gradient, whose kernel (o, i) is the
+// layer's (i, o) turned by 180 degrees (g then has (in, out) channels). Split over the pool's threads by panels of
+// 16 output channels.
 void WinogradWeights(dnnl::threadpool_interop::threadpool_iface &pool, const float *g, int64_t out, int64_t in,
-                     bool data_gradient, float *u) {
+                     bool data_gradient, int64_t tile, float *u) {
   // A panel's channels innermost: each input channel's 16 positions are 16 contiguous runs of 16 floats (the
   // input gradient transforms its weights at every training step).
   const int64_t panels = out / kPanelColumns;
@@ -696,12 +796,18 @@ void WinogradWeights(dnnl::threadpool_interop::threadpool_iface &pool, const flo
   pool.parallel_for(threads, [&](int thread, int) {
     for (int64_t panel = panels * thread / threads; panel < panels * (thread + 1) / threads; ++panel) {
       for (int64_t i = 0; i < in; ++i) {
-        float rows[kWinogradPositions][kPanelColumns];
+        float rows[36][kPanelColumns];
         for (int lane = 0; lane < kPanelColumns; ++lane) {
           const int64_t o = panel * kPanelColumns + lane;
           float w[9];
           const float *kernel = g + (data_gradient ? i * out + o : o * in + i) * 9;
           for (int tap = 0; tap < 9; ++tap) w[tap] = kernel[data_gradient ? 8 - tap : tap];
+          if (tile == 4) {
+            float transformed[36];
+            WinogradKernel4x4(w, transformed);
+            for (int position = 0; position < 36; ++position) rows[position][lane] = transformed[position];
+            continue;
+          }
           float t[4][3];  // G g
           for (int j = 0; j < 3; ++j) {
             t[0][j] = w[j];
@@ -716,7 +822,7 @@ void WinogradWeights(dnnl::threadpool_interop::threadpool_iface &pool, const flo
             rows[r * 4 + 3][lane] = t[r][2];
           }
         }
-        for (int position = 0; position < kWinogradPositions; ++position) {
+        for (int position = 0; position < (tile + 2) * (tile + 2); ++position) {
           std::memcpy(u + ((position * panels + panel) * in + i) * kPanelColumns, rows[position], sizeof(rows[0]));
         }
       }
@@ -728,18 +834,18 @@ void WinogradWeights(dnnl::threadpool_interop::threadpool_iface &pool, const flo
 // rows, or with panels as (16, in / 16, count, 16) panels of 16 input channels.
 __attribute__((target("avx2,fma"))) void WinogradInput(const WinogradShape &s, const float *x, int64_t first,
                                                         int64_t count, bool panels, float *v) {
-  const int64_t blocks = s.in / kWinogradBlock, position_stride = count * s.in;
+  const int64_t blocks = s.in / kWinogradBlock, position_stride = count * s.in, pixel = ChannelBlock();
   for (int64_t i = 0; i < count; ++i) {
     const int64_t tile = first + i, image = tile / (s.tile_rows() * s.tile_columns());
     const int64_t top = 2 * (tile / s.tile_columns() % s.tile_rows()) - 1, left = 2 * (tile % s.tile_columns()) - 1;
     for (int64_t block = 0; block < blocks; ++block) {
-      const float *plane = x + (image * blocks + block) * s.height * s.width * kWinogradBlock;
+      const float *plane = x + GroupOffset(s.in, s.height, s.width, image, block);
       __m256 d[4][4];
       for (int r = 0; r < 4; ++r) {
         for (int c = 0; c < 4; ++c) {
           const int64_t row = top + r, column = left + c;
           const bool inside = row >= 0 && row < s.height && column >= 0 && column < s.width;
-          d[r][c] = inside ? _mm256_loadu_ps(plane + (row * s.width + column) * kWinogradBlock) : _mm256_setzero_ps();
+          d[r][c] = inside ? _mm256_loadu_ps(plane + (row * s.width + column) * pixel) : _mm256_setzero_ps();
         }
       }
       __m256 t[4][4];  // B^T d
@@ -766,7 +872,7 @@ __attribute__((target("avx2,fma"))) void WinogradInput(const WinogradShape &s, c
 __attribute__((target("avx2,fma"))) void WinogradOutput(const WinogradShape &s, const float *m, int64_t first,
                                                          int64_t count, const float *bias, const float *residual,
                                                          bool relu, float *y) {
-  const int64_t blocks = s.out / kWinogradBlock, position_stride = count * s.out;
+  const int64_t blocks = s.out / kWinogradBlock, position_stride = count * s.out, pixel = ChannelBlock();
   for (int64_t i = 0; i < count; ++i) {
     const int64_t tile = first + i, image = tile / (s.tile_rows() * s.tile_columns());
     const int64_t top = 2 * (tile / s.tile_columns() % s.tile_rows()), left = 2 * (tile % s.tile_columns());
@@ -782,12 +888,12 @@ __attribute__((target("avx2,fma"))) void WinogradOutput(const WinogradShape &s, 
         t[1][c] = _mm256_sub_ps(_mm256_sub_ps(m1, m2), m3);
       }
       const __m256 b = bias != nullptr ? _mm256_loadu_ps(bias + block * kWinogradBlock) : _mm256_setzero_ps();
-      const int64_t offset = (image * blocks + block) * s.height * s.width * kWinogradBlock;
+      const int64_t offset = GroupOffset(s.out, s.height, s.width, image, block);
       for (int r = 0; r < 2 && top + r < s.height; ++r) {
         const __m256 pixels[2] = {_mm256_add_ps(_mm256_add_ps(_mm256_add_ps(t[r][0], t[r][1]), t[r][2]), b),
                                   _mm256_add_ps(_mm256_sub_ps(_mm256_sub_ps(t[r][1], t[r][2]), t[r][3]), b)};
         for (int c = 0; c < 2 && left + c < s.width; ++c) {
-          const int64_t at = offset + ((top + r) * s.width + left + c) * kWinogradBlock;
+          const int64_t at = offset + ((top + r) * s.width + left + c) * pixel;
           __m256 value = pixels[c];
           if (residual != nullptr) value = _mm256_add_ps(value, _mm256_loadu_ps(residual + at));
           if (relu) value = _mm256_max_ps(value, _mm256_setzero_ps());
@@ -798,31 +904,133 @@ __attribute__((target("avx2,fma"))) void WinogradOutput(const WinogradShape &s, 
   }
 }
 
-// y = post(conv3x3(x, g) + bias [+ residual]) with u = WinogradWeights(g); x, y and the residual in 8-channel
-// blocks. buffers: two per pool thread (a chunk's transformed input and products).
+// F(4x4, 3x3)'s input transform: v (36, count, in) = B^T d B of tiles [first, first + count)'s 6x6 inputs (zeros
+// outside the map). B^T's rows: (4, 0, -5, 0, 1, 0), (0, -4, -4, 1, 1, 0), (0, 4, -4, -1, 1, 0),
+// (0, -2, -1, 2, 1, 0), (0, 2, -1, -2, 1, 0), (0, 4, 0, -5, 0, 1).
+__attribute__((target("avx2,fma"))) inline void InputTransform6(const __m256 e[6], __m256 o[6]) {
+  const __m256 two = _mm256_set1_ps(2.0f), four = _mm256_set1_ps(4.0f), five = _mm256_set1_ps(5.0f);
+  o[0] = _mm256_fmadd_ps(four, e[0], _mm256_fnmadd_ps(five, e[2], e[4]));
+  o[1] = _mm256_fnmadd_ps(four, _mm256_add_ps(e[1], e[2]), _mm256_add_ps(e[3], e[4]));
+  o[2] = _mm256_fmadd_ps(four, _mm256_sub_ps(e[1], e[2]), _mm256_sub_ps(e[4], e[3]));
+  o[3] = _mm256_fmadd_ps(two, _mm256_sub_ps(e[3], e[1]), _mm256_sub_ps(e[4], e[2]));
+  o[4] = _mm256_fnmadd_ps(two, _mm256_sub_ps(e[3], e[1]), _mm256_sub_ps(e[4], e[2]));
+  o[5] = _mm256_fmadd_ps(four, e[1], _mm256_fnmadd_ps(five, e[3], e[5]));
+}
+
+__attribute__((target("avx2,fma"))) void WinogradInput4x4(const WinogradShape &s, const float *x, int64_t first,
+                                                           int64_t count, float *v) {
+  const int64_t blocks = s.in / kWinogradBlock, position_stride = count * s.in, pixel = ChannelBlock();
+  for (int64_t i = 0; i < count; ++i) {
+    const int64_t tile = first + i, image = tile / (s.tile_rows() * s.tile_columns());
+    const int64_t top = 4 * (tile / s.tile_columns() % s.tile_rows()) - 1, left = 4 * (tile % s.tile_columns()) - 1;
+    for (int64_t block = 0; block < blocks; ++block) {
+      const float *plane = x + GroupOffset(s.in, s.height, s.width, image, block);
+      alignas(32) float t[6][6][kWinogradBlock];  // B^T d: [row of B^T][column of d]
+      for (int c = 0; c < 6; ++c) {
+        const int64_t column = left + c;
+        const bool column_inside = column >= 0 && column < s.width;
+        __m256 d[6], o[6];
+        for (int r = 0; r < 6; ++r) {
+          const int64_t row = top + r;
+          d[r] = column_inside && row >= 0 && row < s.height
+                     ? _mm256_loadu_ps(plane + (row * s.width + column) * pixel)
+                     : _mm256_setzero_ps();
+        }
+        InputTransform6(d, o);
+        for (int r = 0; r < 6; ++r) _mm256_store_ps(t[r][c], o[r]);
+      }
+      float *out = v + i * s.in + block * kWinogradBlock;
+      for (int r = 0; r < 6; ++r) {
+        __m256 e[6], o[6];
+        for (int c = 0; c < 6; ++c) e[c] = _mm256_load_ps(t[r][c]);
+        InputTransform6(e, o);
+        for (int c = 0; c < 6; ++c) _mm256_storeu_ps(out + (r * 6 + c) * position_stride, o[c]);
+      }
+    }
+  }
+}
+
+// F(4x4, 3x3)'s output transform, A^T's rows (1, 1, 1, 1, 1, 0), (0, 1, -1, 2, -2, 0), (0, 1, 1, 4, 4, 0),
+// (0, 1, -1, 8, -8, 1), applied to six values.
+__attribute__((target("avx2,fma"))) inline void OutputTransform6(const __m256 m[6], __m256 o[4]) {
+  const __m256 two = _mm256_set1_ps(2.0f), four = _mm256_set1_ps(4.0f), eight = _mm256_set1_ps(8.0f);
+  const __m256 sum12 = _mm256_add_ps(m[1], m[2]), difference12 = _mm256_sub_ps(m[1], m[2]);
+  const __m256 sum34 = _mm256_add_ps(m[3], m[4]), difference34 = _mm256_sub_ps(m[3], m[4]);
+  o[0] = _mm256_add_ps(_mm256_add_ps(m[0], sum12), sum34);
+  o[1] = _mm256_fmadd_ps(two, difference34, difference12);
+  o[2] = _mm256_fmadd_ps(four, sum34, sum12);
+  o[3] = _mm256_add_ps(_mm256_fmadd_ps(eight, difference34, difference12), m[5]);
+}
+
+// y's 4x4 tiles [first, first + count) = A^T m A of their 36 products m (36, count, out), plus the bias (or none),
+// the residual (y's layout, or null), then ReLU or not; rows and columns past the map's edge dropped.
+__attribute__((target("avx2,fma"))) void WinogradOutput4x4(const WinogradShape &s, const float *m, int64_t first,
+                                                            int64_t count, const float *bias, const float *residual,
+                                                            bool relu, float *y) {
+  const int64_t blocks = s.out / kWinogradBlock, position_stride = count * s.out, pixel = ChannelBlock();
+  for (int64_t i = 0; i < count; ++i) {
+    const int64_t tile = first + i, image = tile / (s.tile_rows() * s.tile_columns());
+    const int64_t top = 4 * (tile / s.tile_columns() % s.tile_rows()), left = 4 * (tile % s.tile_columns());
+    for (int64_t block = 0; block < blocks; ++block) {
+      const float *in = m + i * s.out + block * kWinogradBlock;
+      alignas(32) float t[4][6][kWinogradBlock];  // A^T m: [row of A^T][column of m]
+      for (int c = 0; c < 6; ++c) {
+        __m256 column[6], o[4];
+        for (int r = 0; r < 6; ++r) column[r] = _mm256_loadu_ps(in + (r * 6 + c) * position_stride);
+        OutputTransform6(column, o);
+        for (int r = 0; r < 4; ++r) _mm256_store_ps(t[r][c], o[r]);
+      }
+      const __m256 b = bias != nullptr ? _mm256_loadu_ps(bias + block * kWinogradBlock) : _mm256_setzero_ps();
+      const int64_t offset = GroupOffset(s.out, s.height, s.width, image, block);
+      for (int r = 0; r < 4 && top + r < s.height; ++r) {
+        __m256 row[6], pixels[4];
+        for (int c = 0; c < 6; ++c) row[c] = _mm256_load_ps(t[r][c]);
+        OutputTransform6(row, pixels);
+        for (int c = 0; c < 4 && left + c < s.width; ++c) {
+          const int64_t at = offset + ((top + r) * s.width + left + c) * pixel;
+          __m256 value = _mm256_add_ps(pixels[c], b);
+          if (residual != nullptr) value = _mm256_add_ps(value, _mm256_loadu_ps(residual + at));
+          if (relu) value = _mm256_max_ps(value, _mm256_setzero_ps());
+          _mm256_storeu_ps(y + at, value);
+        }
+      }
+    }
+  }
+}
+
+// y = post(conv3x3(x, g) + bias [+ residual]) with u = WinogradWeights(g) for s.tile; x, y and the residual in
+// 8-channel blocks. buffers: two per pool thread (a chunk's transformed input and products).
 void WinogradConvolution(dnnl::threadpool_interop::threadpool_iface &pool, const WinogradShape &s, const float *x,
                          const float *u, const float *bias, const float *residual, bool relu, float *y,
                          Buffer *buffers) {
-  const int64_t tiles = s.tiles(), threads = pool.get_num_threads();
-  const int64_t most = std::max<int64_t>(kPanelRowBlock, kWinogradChunkBytes / (kWinogradPositions * 4 * (s.in + s.out))
-                                                             / kPanelRowBlock * kPanelRowBlock);
+  const int64_t tiles = s.tiles(), threads = pool.get_num_threads(), positions = s.positions();
+  const int64_t rows = PanelRowsAtOnce();
+  const int64_t most = std::max<int64_t>(rows, kWinogradChunkBytes / (positions * 4 * (s.in + s.out)) / rows * rows);
   // As many chunks as that size needs, rounded up to a multiple of the threads so that they end together.
   const int64_t chunks = ((tiles + most - 1) / most + threads - 1) / threads * threads;
   const int64_t chunk = (tiles + chunks - 1) / chunks;
   const int used = static_cast<int>(std::min(threads, (tiles + chunk - 1) / chunk));
   pool.parallel_for(used, [&](int thread, int) {
-    float *v = static_cast<float *>(buffers[2 * thread].Get(kWinogradPositions * chunk * s.in * sizeof(float)));
-    float *m = static_cast<float *>(buffers[2 * thread + 1].Get(kWinogradPositions * chunk * s.out * sizeof(float)));
+    float *v = static_cast<float *>(buffers[2 * thread].Get(positions * chunk * s.in * sizeof(float)));
+    float *m = static_cast<float *>(buffers[2 * thread + 1].Get(positions * chunk * s.out * sizeof(float)));
     for (int64_t first = thread * chunk; first < tiles; first += used * chunk) {
       const int64_t count = std::min(chunk, tiles - first);
-      WinogradInput(s, x, first, count, false, v);
-      for (int position = 0; position < kWinogradPositions; ++position) {
+      if (s.tile == 4) {
+        WinogradInput4x4(s, x, first, count, v);
+      } else {
+        WinogradInput(s, x, first, count, false, v);
+      }
+      for (int position = 0; position < positions; ++position) {
         for (int64_t panel = 0; panel < s.out / kPanelColumns; ++panel) {  // on this thread, no epilogue
           PanelColumns(panel, count, s.in, s.out, v + position * count * s.in, u + position * s.in * s.out, nullptr,
                        nullptr, PostOp::kNone, m + position * count * s.out);
         }
       }
-      WinogradOutput(s, m, first, count, bias, residual, relu, y);
+      if (s.tile == 4) {
+        WinogradOutput4x4(s, m, first, count, bias, residual, relu, y);
+      } else {
+        WinogradOutput(s, m, first, count, bias, residual, relu, y);
+      }
     }
   });
 }
@@ -833,24 +1041,23 @@ void WinogradConvolution(dnnl::threadpool_interop::threadpool_iface &pool, const
 // zeros outside the map), then adds, for each of the 16 positions, their product over the chunk's tiles into the
 // thread's (out, in) sums; the threads' sums are added and turned into 3x3 kernels at the end.
 bool WinogradWeightGradientUsable(const WinogradShape &s) {
-  return ChannelBlock() == kWinogradBlock && s.out % kWinogradBlock == 0 && PanelsUsable(s.in) &&
-         s.tiles() >= kWinogradMinTiles;
+  return s.out % ChannelBlock() == 0 && WinogradPanelsUsable(s.in) && s.tiles() >= kWinogradMinTiles;
 }
 
 // Tiles [first, first + count) of dy: z (16, count, out) = A dY A^T of each 2x2 tile (zeros outside the map).
 __attribute__((target("avx2,fma"))) void WinogradOutputGradient(const WinogradShape &s, const float *dy,
                                                                  int64_t first, int64_t count, float *z) {
-  const int64_t blocks = s.out / kWinogradBlock, position_stride = count * s.out;
+  const int64_t blocks = s.out / kWinogradBlock, position_stride = count * s.out, pixel = ChannelBlock();
   for (int64_t i = 0; i < count; ++i) {
     const int64_t tile = first + i, image = tile / (s.tile_rows() * s.tile_columns());
     const int64_t top = 2 * (tile / s.tile_columns() % s.tile_rows()), left = 2 * (tile % s.tile_columns());
     for (int64_t block = 0; block < blocks; ++block) {
-      const float *plane = dy + (image * blocks + block) * s.height * s.width * kWinogradBlock;
+      const float *plane = dy + GroupOffset(s.out, s.height, s.width, image, block);
       __m256 g[2][2];
       for (int r = 0; r < 2; ++r) {
         for (int c = 0; c < 2; ++c) {
           const bool inside = top + r < s.height && left + c < s.width;
-          g[r][c] = inside ? _mm256_loadu_ps(plane + ((top + r) * s.width + left + c) * kWinogradBlock)
+          g[r][c] = inside ? _mm256_loadu_ps(plane + ((top + r) * s.width + left + c) * pixel)
                            : _mm256_setzero_ps();
         }
       }
@@ -912,7 +1119,7 @@ __attribute__((target("avx2,fma"))) void WinogradGradientKernels(const WinogradS
 // thread (a chunk's transformed inputs and output gradients, the thread's sums).
 void WinogradWeightGradient(dnnl::threadpool_interop::threadpool_iface &pool, const WinogradShape &s,
                             const float *x, const float *dy, float *dw, Buffer *buffers) {
-  const int64_t tiles = s.tiles(), threads = pool.get_num_threads();
+  const int64_t tiles = s.tiles(), threads = pool.get_num_threads(), rows = PanelRowsAtOnce();
   const int64_t most = std::max<int64_t>(kWinogradGradientTiles,
                                         kWinogradChunkBytes / (kWinogradPositions * 4 * (s.in + s.out)));
   const int64_t chunks = ((tiles + most - 1) / most + threads - 1) / threads * threads;
@@ -935,8 +1142,8 @@ void WinogradWeightGradient(dnnl::threadpool_interop::threadpool_iface &pool, co
         float *mp = m + position * s.out * s.in;
         for (int64_t panel = 0; panel < s.in / kPanelColumns; ++panel) {
           const float *columns = vp + panel * count * kPanelColumns;
-          for (int64_t row = 0; row < s.out; row += kPanelRowBlock) {
-            PanelRowBlock<true>(std::min(kPanelRowBlock, s.out - row), zp + row, s.out, columns, count,
+          for (int64_t row = 0; row < s.out; row += rows) {
+            PanelRowBlock<true>(std::min(rows, s.out - row), zp + row, s.out, columns, count,
                                 mp + row * s.in + panel * kPanelColumns, s.in, false, nullptr);
           }
         }
@@ -1210,14 +1417,17 @@ class Runtime {
     }
     const WinogradShape winograd = weight_gradient ? WinogradShape{src[0], w[1], w[0], src[2], src[3]}
                                                    : WinogradShape{src[0], w[0], w[1], src[2], src[3]};
+    // On AVX-512's 16-channel blocks oneDNN's direct gradients keep up (1.004x with these, AVX-512 panels and all,
+    // at 224x224 on a Zen 5), so training keeps them there, and its numerics.
+    if (ChannelBlock() != kWinogradBlock) return std::nullopt;
     if (!(weight_gradient ? WinogradWeightGradientUsable(winograd) : WinogradUsable(winograd))) return std::nullopt;
     return winograd;
   }
 
   // The layer's plain weights transformed for the input gradient's Winograd convolution (they change every step).
   const float *DataGradientWinogradWeights(const WinogradShape &s, void *weights) {
-    float *u = static_cast<float *>(winograd_weights_.Get(kWinogradPositions * s.in * s.out * sizeof(float)));
-    WinogradWeights(executor_.pool, static_cast<const float *>(weights), s.out, s.in, true, u);
+    float *u = static_cast<float *>(winograd_weights_.Get(s.positions() * s.in * s.out * sizeof(float)));
+    WinogradWeights(executor_.pool, static_cast<const float *>(weights), s.out, s.in, true, s.tile, u);
     return u;
   }
 
@@ -1731,8 +1941,9 @@ struct InferencePlan {
   std::optional<PixelPairs> pairs;
   // A matrix product run by PanelMatmul (no primitive) on weights packed as panels (weights_desc).
   bool panels = false;
-  // A 3x3 convolution run by WinogradConvolution (no primitive) on WinogradWeights (weights_desc: their size).
-  bool winograd = false;
+  // A 3x3 convolution run by WinogradConvolution (no primitive) on WinogradWeights (weights_desc: their size): its
+  // output tiles' size (2 or 4), or 0 where not.
+  int64_t winograd = 0;
 };
 
 // One layer of a residual block run in one call (InferenceRuntime::Block).
@@ -1804,7 +2015,7 @@ class InferenceRuntime {
         }
         if (plan.winograd) {
           const memory::dims &w = shape.weights;
-          WinogradWeights(executor_.pool, static_cast<const float *>(weights), w[0], w[1], false,
+          WinogradWeights(executor_.pool, static_cast<const float *>(weights), w[0], w[1], false, plan.winograd,
                           static_cast<float *>(kernel_weights.get_data_handle()));
         } else {
           dnnl::reorder(plain_weights, kernel_weights).execute(stream_, plain_weights, kernel_weights);
@@ -1822,7 +2033,7 @@ class InferenceRuntime {
     }
     if (plan.winograd) {
       const memory::dims &dims = shape.src;
-      WinogradConvolution(executor_.pool, {dims[0], dims[1], shape.weights[0], dims[2], dims[3]},
+      WinogradConvolution(executor_.pool, {dims[0], dims[1], shape.weights[0], dims[2], dims[3], plan.winograd},
                           static_cast<const float *>(src), static_cast<const float *>(kernel_weights.get_data_handle()),
                           static_cast<const float *>(bias), static_cast<const float *>(residual),
                           shape.post != PostOp::kNone, static_cast<float *>(dst), winograd_buffers_.get());
@@ -1987,13 +2198,16 @@ class InferenceRuntime {
                           shape.padding == memory::dims{1, 1} &&
                           shape.dst == memory::dims{src[0], w[0], src[2], src[3]};
     const bool layouts = shape.src_layout == Layout::kBlocked && shape.dst_layout == Layout::kBlocked;
-    if (!geometry || !layouts || !WinogradUsable({src[0], w[1], w[0], src[2], src[3]})) return std::nullopt;
+    if (!geometry || !layouts) return std::nullopt;
+    WinogradShape winograd{src[0], w[1], w[0], src[2], src[3], 4};  // F(4x4, 3x3) where it has the tiles
+    if (!WinogradUsable(winograd)) winograd.tile = 2;
+    if (!WinogradUsable(winograd)) return std::nullopt;
     const auto f32 = memory::data_type::f32;
     InferencePlan plan{{}, memory::desc(src, f32, LayoutTag(shape.src_layout)),
-                       memory::desc({kWinogradPositions * w[0] * w[1]}, f32, tag::a), memory::desc({w[0]}, f32, tag::a),
-                       memory::desc(shape.dst, f32, LayoutTag(shape.dst_layout)), {}, {},
-                       memory::desc(w, f32, tag::oihw), 0};
-    plan.winograd = true;
+                       memory::desc({winograd.positions() * w[0] * w[1]}, f32, tag::a),
+                       memory::desc({w[0]}, f32, tag::a), memory::desc(shape.dst, f32, LayoutTag(shape.dst_layout)),
+                       {}, {}, memory::desc(w, f32, tag::oihw), 0};
+    plan.winograd = winograd.tile;
     return plan;
   }
 

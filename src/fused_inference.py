@@ -11,8 +11,8 @@ convolutions are in use).
   which the folding takes from each BatchNorm); a network that pads 'same' (mindcv, models_zoo ResNet-50+) runs
   unfused (why_not_fusable);
 - activations stay in one layout from layer to layer, so nothing is reordered between layers: channel blocks
-  (nChw16c, or nChw8c without AVX-512: oneDNN's direct jit kernels, and on AVX2 the native Winograd kernels for
-  3x3 stride-1 layers), or NHWC (its brgemm kernels) when the channels don't fill whole blocks or when asked for
+  (nChw16c, or nChw8c without AVX-512: oneDNN's direct jit kernels, and the native Winograd kernels for 3x3
+  stride-1 layers), or NHWC (its brgemm kernels) when the channels don't fill whole blocks or when asked for
   (LAYOUT_CHOICES); the global average pool reads that layout;
 - each layer's weights are reordered into the kernel's layout once per update instead of at every call.
 It computes what the ResNet computes in inference mode, up to float rounding (tests/test_fused_inference.py).

@@ -102,10 +102,11 @@ def numpy_conv3x3(x: np.ndarray, weights: np.ndarray) -> np.ndarray:
 
 @pytest.mark.parametrize("post", ["None", "Relu", "AddRelu"])
 def test_3x3_layers_on_channel_blocks_equal_numpy_for_odd_maps_and_weights_versions(post):
-    """3x3 stride-1 layers between channel blocks (on AVX2: Winograd's F(2x2, 3x3) over 2x2 output tiles, from 12
-    tiles on; fewer run oneDNN's direct kernel): odd map sizes cut the last tiles, the tiles go in chunks over the
-    threads, the bias and post-op come with the output, and new weights under a new version replace the packed
-    ones."""
+    """3x3 stride-1 layers between channel blocks (Winograd: F(4x4, 3x3) where the map has 12 tiles of 4x4, as
+    9x6 at batch 3 and 14x14 here, else F(2x2, 3x3) where it has 12 of 2x2, as 5x7; fewer run oneDNN's direct kernel;
+    AVX-512's 16-channel blocks are read as two halves): odd map sizes cut the last tiles, the tiles go in chunks
+    over the threads, the bias and post-op come with the output, and new weights under a new version replace the
+    packed ones."""
     from src.fused_inference import BLOCKED, _convolution_op, _layouts
     from src.onednn_conv import channel_block
     block = channel_block()
@@ -221,8 +222,8 @@ fused(images).asnumpy()
 # maps, with weights expanded per pair of pixels: 14, with 3 of the additions and 13 of the ReLUs. On AVX2 the
 # native panels run them, so oneDNN's log has none of them (only their 2 gathers).
 PRODUCTS = 14, 3, 13  # matrix products, their additions, their ReLUs
-# On AVX2 layer1's three 3x3 layers (8x8 maps: 32 output tiles of 2x2 at batch 2) run natively too (Winograd), with
-# their ReLUs; layer2's (4x4 maps: 8 tiles) stay oneDNN's.
+# On blocks (AVX2's or AVX-512's), layer1's three 3x3 layers (8x8 maps: 32 output tiles of 2x2 at batch 2) run
+# natively too (Winograd), with their ReLUs; layer2's (4x4 maps: 8 tiles) stay oneDNN's.
 WINOGRAD_LAYERS = 3
 
 
@@ -238,13 +239,13 @@ def test_oneDNN_log_one_call_per_layer_and_no_reorders_after_the_first_pass(mode
     post-ops, none through GEMM or reference kernels, on the chosen layout (channel blocks of 16 with AVX-512,
     of 8 under an AVX2 cap; the stem reads the NCHW images there), and a matrix product with the same bias and
     post-ops (not oneDNN's reference one; on AVX2 the native panels instead) where a layer's output map is one
-    pixel or a 2x2 map's pixel pairs (and on AVX2 large enough 3x3 stride-1 layers on blocks run natively); the
+    pixel or a 2x2 map's pixel pairs (and large enough 3x3 stride-1 layers on blocks run natively); the
     second pass reorders no weights, only the input pixels that a one-pixel output gathers from a larger map."""
     layout = "acdb" if choice == "nhwc" else f"aBcd{native_channel_block(isa)}b"  # oneDNN's names for NHWC, blocks
-    if native_channel_block(isa) == 8:  # AVX2: the products and Winograd's layers run natively, outside oneDNN's log
+    if native_channel_block(isa) == 8:  # AVX2: the products run natively, outside oneDNN's log
         products, additions, relus = (0, 0, 0), additions - products[1], relus - products[2]
-        if choice != "nhwc":
-            convolutions, relus = convolutions - WINOGRAD_LAYERS, relus - WINOGRAD_LAYERS
+    if choice != "nhwc":  # and on blocks, with AVX-512 too, so do Winograd's layers
+        convolutions, relus = convolutions - WINOGRAD_LAYERS, relus - WINOGRAD_LAYERS
     executed = onednn_exec_log(["-c", VERBOSE_SCRIPT, model_name, str(size), choice], isa, marker="SECOND PASS")
     kinds = [fields[5] for fields in executed]
     assert kinds.count("convolution") == convolutions and kinds.count("pooling") == 1
