@@ -598,6 +598,62 @@ void PanelColumns(int64_t p, int64_t m, int64_t k, int64_t n, const float *a, co
   }
 }
 
+// Rows [0, R) of two adjacent panels' 32 columns over one slice of k, with AVX-512 (no epilogue): each broadcast
+// of a's element feeds two FMAs, where PanelRows512 loads one per FMA.
+template <int R>
+__attribute__((target("avx512f"))) void PanelPairRows512(const float *a, int64_t lda, const float *panel,
+                                                          const float *next_panel, int64_t depth, float *c,
+                                                          int64_t ldc, bool first) {
+  __m512 left[R], right[R];
+#pragma GCC unroll 12
+  for (int r = 0; r < R; ++r) {
+    left[r] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(c + r * ldc);
+    right[r] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(c + r * ldc + kPanelColumns);
+  }
+  for (int64_t i = 0; i < depth; ++i) {
+    const __m512 columns = _mm512_load_ps(panel + i * kPanelColumns);
+    const __m512 next_columns = _mm512_load_ps(next_panel + i * kPanelColumns);
+#pragma GCC unroll 12
+    for (int r = 0; r < R; ++r) {
+      const __m512 value = _mm512_set1_ps(a[r * lda + i]);
+      left[r] = _mm512_fmadd_ps(value, columns, left[r]);
+      right[r] = _mm512_fmadd_ps(value, next_columns, right[r]);
+    }
+  }
+#pragma GCC unroll 12
+  for (int r = 0; r < R; ++r) {
+    _mm512_storeu_ps(c + r * ldc, left[r]);
+    _mm512_storeu_ps(c + r * ldc + kPanelColumns, right[r]);
+  }
+}
+
+// Panels p and p + 1 of c (m, n) = a (m, k) x panels, with AVX-512, no bias or post-op (the Winograd products).
+void PanelColumnPair(int64_t p, int64_t m, int64_t k, int64_t n, const float *a, const float *panels, float *c) {
+  const int64_t column = p * kPanelColumns;
+  for (int64_t start = 0; start < k; start += kPanelSlice) {
+    const int64_t depth = std::min(kPanelSlice, k - start);
+    const float *panel = panels + (p * k + start) * kPanelColumns, *next = panel + k * kPanelColumns;
+    for (int64_t row = 0; row < m; row += 12) {
+      const float *rows = a + row * k + start;
+      float *out = c + row * n + column;
+      switch (std::min<int64_t>(12, m - row)) {
+        case 12: PanelPairRows512<12>(rows, k, panel, next, depth, out, n, start == 0); break;
+        case 11: PanelPairRows512<11>(rows, k, panel, next, depth, out, n, start == 0); break;
+        case 10: PanelPairRows512<10>(rows, k, panel, next, depth, out, n, start == 0); break;
+        case 9: PanelPairRows512<9>(rows, k, panel, next, depth, out, n, start == 0); break;
+        case 8: PanelPairRows512<8>(rows, k, panel, next, depth, out, n, start == 0); break;
+        case 7: PanelPairRows512<7>(rows, k, panel, next, depth, out, n, start == 0); break;
+        case 6: PanelPairRows512<6>(rows, k, panel, next, depth, out, n, start == 0); break;
+        case 5: PanelPairRows512<5>(rows, k, panel, next, depth, out, n, start == 0); break;
+        case 4: PanelPairRows512<4>(rows, k, panel, next, depth, out, n, start == 0); break;
+        case 3: PanelPairRows512<3>(rows, k, panel, next, depth, out, n, start == 0); break;
+        case 2: PanelPairRows512<2>(rows, k, panel, next, depth, out, n, start == 0); break;
+        default: PanelPairRows512<1>(rows, k, panel, next, depth, out, n, start == 0); break;
+      }
+    }
+  }
+}
+
 // c (m, n) = post(a (m, k) x panels + bias [+ residual (m, n)]), the panels split among the pool's threads.
 void PanelMatmul(dnnl::threadpool_interop::threadpool_iface &pool, int64_t m, int64_t k, int64_t n, const float *a,
                  const float *panels, const float *bias, const float *residual, PostOp post, float *c) {
@@ -1021,9 +1077,17 @@ void WinogradConvolution(dnnl::threadpool_interop::threadpool_iface &pool, const
         WinogradInput(s, x, first, count, false, v);
       }
       for (int position = 0; position < positions; ++position) {
-        for (int64_t panel = 0; panel < s.out / kPanelColumns; ++panel) {  // on this thread, no epilogue
-          PanelColumns(panel, count, s.in, s.out, v + position * count * s.in, u + position * s.in * s.out, nullptr,
-                       nullptr, PostOp::kNone, m + position * count * s.out);
+        const float *vp = v + position * count * s.in, *up = u + position * s.in * s.out;
+        float *mp = m + position * count * s.out;
+        const int64_t panels = s.out / kPanelColumns;
+        for (int64_t panel = 0; panel < panels;) {  // on this thread, no epilogue
+          if (PanelsAvx512() && panel + 1 < panels) {
+            PanelColumnPair(panel, count, s.in, s.out, vp, up, mp);
+            panel += 2;
+          } else {
+            PanelColumns(panel, count, s.in, s.out, vp, up, nullptr, nullptr, PostOp::kNone, mp);
+            panel += 1;
+          }
         }
       }
       if (s.tile == 4) {
