@@ -1054,8 +1054,99 @@ __attribute__((target("avx2,fma"))) void WinogradOutput4x4(const WinogradShape &
   }
 }
 
+// WinogradInput4x4 and WinogradOutput4x4 on AVX-512's 16-channel blocks: a whole block (one cache line a pixel)
+// per vector instead of two halves.
+__attribute__((target("avx512f"))) inline void InputTransform6(const __m512 e[6], __m512 o[6]) {
+  const __m512 two = _mm512_set1_ps(2.0f), four = _mm512_set1_ps(4.0f), five = _mm512_set1_ps(5.0f);
+  o[0] = _mm512_fmadd_ps(four, e[0], _mm512_fnmadd_ps(five, e[2], e[4]));
+  o[1] = _mm512_fnmadd_ps(four, _mm512_add_ps(e[1], e[2]), _mm512_add_ps(e[3], e[4]));
+  o[2] = _mm512_fmadd_ps(four, _mm512_sub_ps(e[1], e[2]), _mm512_sub_ps(e[4], e[3]));
+  o[3] = _mm512_fmadd_ps(two, _mm512_sub_ps(e[3], e[1]), _mm512_sub_ps(e[4], e[2]));
+  o[4] = _mm512_fnmadd_ps(two, _mm512_sub_ps(e[3], e[1]), _mm512_sub_ps(e[4], e[2]));
+  o[5] = _mm512_fmadd_ps(four, e[1], _mm512_fnmadd_ps(five, e[3], e[5]));
+}
+
+__attribute__((target("avx512f"))) inline void OutputTransform6(const __m512 m[6], __m512 o[4]) {
+  const __m512 two = _mm512_set1_ps(2.0f), four = _mm512_set1_ps(4.0f), eight = _mm512_set1_ps(8.0f);
+  const __m512 sum12 = _mm512_add_ps(m[1], m[2]), difference12 = _mm512_sub_ps(m[1], m[2]);
+  const __m512 sum34 = _mm512_add_ps(m[3], m[4]), difference34 = _mm512_sub_ps(m[3], m[4]);
+  o[0] = _mm512_add_ps(_mm512_add_ps(m[0], sum12), sum34);
+  o[1] = _mm512_fmadd_ps(two, difference34, difference12);
+  o[2] = _mm512_fmadd_ps(four, sum34, sum12);
+  o[3] = _mm512_add_ps(_mm512_fmadd_ps(eight, difference34, difference12), m[5]);
+}
+
+constexpr int kWideBlock = 16;
+
+__attribute__((target("avx512f"))) void WinogradInput4x4Avx512(const WinogradShape &s, const float *x,
+                                                                int64_t first, int64_t count, float *v) {
+  const int64_t blocks = s.in / kWideBlock, position_stride = count * s.in;
+  for (int64_t i = 0; i < count; ++i) {
+    const int64_t tile = first + i, image = tile / (s.tile_rows() * s.tile_columns());
+    const int64_t top = 4 * (tile / s.tile_columns() % s.tile_rows()) - 1, left = 4 * (tile % s.tile_columns()) - 1;
+    for (int64_t block = 0; block < blocks; ++block) {
+      const float *plane = x + (image * blocks + block) * s.height * s.width * kWideBlock;
+      alignas(64) float t[6][6][kWideBlock];  // B^T d: [row of B^T][column of d]
+      for (int c = 0; c < 6; ++c) {
+        const int64_t column = left + c;
+        const bool column_inside = column >= 0 && column < s.width;
+        __m512 d[6], o[6];
+        for (int r = 0; r < 6; ++r) {
+          const int64_t row = top + r;
+          d[r] = column_inside && row >= 0 && row < s.height
+                     ? _mm512_loadu_ps(plane + (row * s.width + column) * kWideBlock)
+                     : _mm512_setzero_ps();
+        }
+        InputTransform6(d, o);
+        for (int r = 0; r < 6; ++r) _mm512_store_ps(t[r][c], o[r]);
+      }
+      float *out = v + i * s.in + block * kWideBlock;
+      for (int r = 0; r < 6; ++r) {
+        __m512 e[6], o[6];
+        for (int c = 0; c < 6; ++c) e[c] = _mm512_load_ps(t[r][c]);
+        InputTransform6(e, o);
+        for (int c = 0; c < 6; ++c) _mm512_storeu_ps(out + (r * 6 + c) * position_stride, o[c]);
+      }
+    }
+  }
+}
+
+__attribute__((target("avx512f"))) void WinogradOutput4x4Avx512(const WinogradShape &s, const float *m,
+                                                                 int64_t first, int64_t count, const float *bias,
+                                                                 const float *residual, bool relu, float *y) {
+  const int64_t blocks = s.out / kWideBlock, position_stride = count * s.out;
+  for (int64_t i = 0; i < count; ++i) {
+    const int64_t tile = first + i, image = tile / (s.tile_rows() * s.tile_columns());
+    const int64_t top = 4 * (tile / s.tile_columns() % s.tile_rows()), left = 4 * (tile % s.tile_columns());
+    for (int64_t block = 0; block < blocks; ++block) {
+      const float *in = m + i * s.out + block * kWideBlock;
+      alignas(64) float t[4][6][kWideBlock];  // A^T m: [row of A^T][column of m]
+      for (int c = 0; c < 6; ++c) {
+        __m512 column[6], o[4];
+        for (int r = 0; r < 6; ++r) column[r] = _mm512_loadu_ps(in + (r * 6 + c) * position_stride);
+        OutputTransform6(column, o);
+        for (int r = 0; r < 4; ++r) _mm512_store_ps(t[r][c], o[r]);
+      }
+      const __m512 b = bias != nullptr ? _mm512_loadu_ps(bias + block * kWideBlock) : _mm512_setzero_ps();
+      const int64_t offset = (image * blocks + block) * s.height * s.width * kWideBlock;
+      for (int r = 0; r < 4 && top + r < s.height; ++r) {
+        __m512 row[6], pixels[4];
+        for (int c = 0; c < 6; ++c) row[c] = _mm512_load_ps(t[r][c]);
+        OutputTransform6(row, pixels);
+        for (int c = 0; c < 4 && left + c < s.width; ++c) {
+          const int64_t at = offset + ((top + r) * s.width + left + c) * kWideBlock;
+          __m512 value = _mm512_add_ps(pixels[c], b);
+          if (residual != nullptr) value = _mm512_add_ps(value, _mm512_loadu_ps(residual + at));
+          if (relu) value = _mm512_max_ps(value, _mm512_setzero_ps());
+          _mm512_storeu_ps(y + at, value);
+        }
+      }
+    }
+  }
+}
+
 // y = post(conv3x3(x, g) + bias [+ residual]) with u = WinogradWeights(g) for s.tile; x, y and the residual in
-// 8-channel blocks. buffers: two per pool thread (a chunk's transformed input and products).
+// channel blocks. buffers: two per pool thread (a chunk's transformed input and products).
 void WinogradConvolution(dnnl::threadpool_interop::threadpool_iface &pool, const WinogradShape &s, const float *x,
                          const float *u, const float *bias, const float *residual, bool relu, float *y,
                          Buffer *buffers) {
@@ -1071,7 +1162,9 @@ void WinogradConvolution(dnnl::threadpool_interop::threadpool_iface &pool, const
     float *m = static_cast<float *>(buffers[2 * thread + 1].Get(positions * chunk * s.out * sizeof(float)));
     for (int64_t first = thread * chunk; first < tiles; first += used * chunk) {
       const int64_t count = std::min(chunk, tiles - first);
-      if (s.tile == 4) {
+      if (s.tile == 4 && PanelsAvx512() && ChannelBlock() == kWideBlock) {
+        WinogradInput4x4Avx512(s, x, first, count, v);
+      } else if (s.tile == 4) {
         WinogradInput4x4(s, x, first, count, v);
       } else {
         WinogradInput(s, x, first, count, false, v);
@@ -1090,7 +1183,9 @@ void WinogradConvolution(dnnl::threadpool_interop::threadpool_iface &pool, const
           }
         }
       }
-      if (s.tile == 4) {
+      if (s.tile == 4 && PanelsAvx512() && ChannelBlock() == kWideBlock) {
+        WinogradOutput4x4Avx512(s, m, first, count, bias, residual, relu, y);
+      } else if (s.tile == 4) {
         WinogradOutput4x4(s, m, first, count, bias, residual, relu, y);
       } else {
         WinogradOutput(s, m, first, count, bias, residual, relu, y);
