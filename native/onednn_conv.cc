@@ -779,12 +779,16 @@ void SmallMatmul(dnnl::threadpool_interop::threadpool_iface &pool, SmallProduct 
 // Inference runs F(4x4, 3x3) where the map has enough tiles for it: 4x4 output tiles from 6x6 input tiles, 36
 // products for 16 outputs (2.25 per output against F(2x2, 3x3)'s 4). Its rounding error is larger, which is why
 // training's gradients keep F(2x2, 3x3) (their parity tests compare against float64 torch). With AVX-512 the
-// inference runs these layers too, on 16-channel blocks read as two halves, its products in PanelRows512.
+// inference runs these layers too: F(4x4, 3x3)'s transforms take whole 16-channel blocks, F(2x2, 3x3)'s read them
+// as two halves, and the products run in PanelRows512 and PanelPairRows512.
 constexpr int kWinogradBlock = 8, kWinogradPositions = 16;  // F(2x2, 3x3)'s; WinogradShape::positions() in general
 constexpr int64_t kWinogradChunkBytes = 300 * 1024;  // a chunk's transformed input and products, per thread
 constexpr int64_t kWinogradMinTiles = 12;            // fewer (a batch of one 4x4 map): direct is faster
 // Tiles a chunk of the weight gradient has at least: each chunk reads and writes the thread's (16, out, in) sums.
 constexpr int64_t kWinogradGradientTiles = 128;
+
+// Transformed positions of a Winograd tile whose output is tile x tile: (tile + 2)^2 input pixels.
+constexpr int64_t WinogradPositions(int64_t tile) { return (tile + 2) * (tile + 2); }
 
 struct WinogradShape {
   int64_t batch, in, out, height, width;  // input and output maps are height x width
@@ -792,7 +796,7 @@ struct WinogradShape {
   int64_t tile_rows() const { return (height + tile - 1) / tile; }
   int64_t tile_columns() const { return (width + tile - 1) / tile; }
   int64_t tiles() const { return batch * tile_rows() * tile_columns(); }
-  int64_t positions() const { return (tile + 2) * (tile + 2); }
+  int64_t positions() const { return WinogradPositions(tile); }
 };
 
 // Whether the Winograd layers' products can run on the panels: with AVX2 and FMA, or with AVX-512 (PanelRows512),
@@ -852,7 +856,7 @@ void WinogradWeights(dnnl::threadpool_interop::threadpool_iface &pool, const flo
   pool.parallel_for(threads, [&](int thread, int) {
     for (int64_t panel = panels * thread / threads; panel < panels * (thread + 1) / threads; ++panel) {
       for (int64_t i = 0; i < in; ++i) {
-        float rows[36][kPanelColumns];
+        float rows[WinogradPositions(4)][kPanelColumns];
         for (int lane = 0; lane < kPanelColumns; ++lane) {
           const int64_t o = panel * kPanelColumns + lane;
           float w[9];
@@ -878,7 +882,7 @@ void WinogradWeights(dnnl::threadpool_interop::threadpool_iface &pool, const flo
             rows[r * 4 + 3][lane] = t[r][2];
           }
         }
-        for (int position = 0; position < (tile + 2) * (tile + 2); ++position) {
+        for (int position = 0; position < WinogradPositions(tile); ++position) {
           std::memcpy(u + ((position * panels + panel) * in + i) * kPanelColumns, rows[position], sizeof(rows[0]));
         }
       }
@@ -1151,7 +1155,9 @@ void WinogradConvolution(dnnl::threadpool_interop::threadpool_iface &pool, const
                          const float *u, const float *bias, const float *residual, bool relu, float *y,
                          Buffer *buffers) {
   const int64_t tiles = s.tiles(), threads = pool.get_num_threads(), positions = s.positions();
-  const int64_t rows = PanelRowsAtOnce();
+  const int64_t rows = PanelRowsAtOnce(), panels = s.out / kPanelColumns;
+  // AVX-512 on its 16-channel blocks: whole-block transforms (F(4x4, 3x3)) and panels in pairs.
+  const bool wide = PanelsAvx512() && ChannelBlock() == kWideBlock;
   const int64_t most = std::max<int64_t>(rows, kWinogradChunkBytes / (positions * 4 * (s.in + s.out)) / rows * rows);
   // As many chunks as that size needs, rounded up to a multiple of the threads so that they end together.
   const int64_t chunks = ((tiles + most - 1) / most + threads - 1) / threads * threads;
@@ -1162,7 +1168,7 @@ void WinogradConvolution(dnnl::threadpool_interop::threadpool_iface &pool, const
     float *m = static_cast<float *>(buffers[2 * thread + 1].Get(positions * chunk * s.out * sizeof(float)));
     for (int64_t first = thread * chunk; first < tiles; first += used * chunk) {
       const int64_t count = std::min(chunk, tiles - first);
-      if (s.tile == 4 && PanelsAvx512() && ChannelBlock() == kWideBlock) {
+      if (s.tile == 4 && wide) {
         WinogradInput4x4Avx512(s, x, first, count, v);
       } else if (s.tile == 4) {
         WinogradInput4x4(s, x, first, count, v);
@@ -1172,9 +1178,8 @@ void WinogradConvolution(dnnl::threadpool_interop::threadpool_iface &pool, const
       for (int position = 0; position < positions; ++position) {
         const float *vp = v + position * count * s.in, *up = u + position * s.in * s.out;
         float *mp = m + position * count * s.out;
-        const int64_t panels = s.out / kPanelColumns;
         for (int64_t panel = 0; panel < panels;) {  // on this thread, no epilogue
-          if (PanelsAvx512() && panel + 1 < panels) {
+          if (wide && panel + 1 < panels) {
             PanelColumnPair(panel, count, s.in, s.out, vp, up, mp);
             panel += 2;
           } else {
@@ -1183,7 +1188,7 @@ void WinogradConvolution(dnnl::threadpool_interop::threadpool_iface &pool, const
           }
         }
       }
-      if (s.tile == 4 && PanelsAvx512() && ChannelBlock() == kWideBlock) {
+      if (s.tile == 4 && wide) {
         WinogradOutput4x4Avx512(s, m, first, count, bias, residual, relu, y);
       } else if (s.tile == 4) {
         WinogradOutput4x4(s, m, first, count, bias, residual, relu, y);

@@ -104,9 +104,9 @@ def numpy_conv3x3(x: np.ndarray, weights: np.ndarray) -> np.ndarray:
 def test_3x3_layers_on_channel_blocks_equal_numpy_for_odd_maps_and_weights_versions(post):
     """3x3 stride-1 layers between channel blocks (Winograd: F(4x4, 3x3) where the map has 12 tiles of 4x4, as
     9x6 at batch 3 and 14x14 here, else F(2x2, 3x3) where it has 12 of 2x2, as 5x7; fewer run oneDNN's direct kernel;
-    AVX-512's 16-channel blocks are read as two halves): odd map sizes cut the last tiles, the tiles go in chunks
-    over the threads, the bias and post-op come with the output, and new weights under a new version replace the
-    packed ones."""
+    on AVX-512's 16-channel blocks F(4x4, 3x3) reads whole blocks and F(2x2, 3x3) two halves): odd map sizes cut the
+    last tiles, the tiles go in chunks over the threads, the bias and post-op come with the output, and new weights
+    under a new version replace the packed ones."""
     from src.fused_inference import BLOCKED, _convolution_op, _layouts
     from src.onednn_conv import channel_block
     block = channel_block()
