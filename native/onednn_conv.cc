@@ -21,6 +21,7 @@
 // and each layer's weights are reordered into the kernel's layout once per weights version.
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <condition_variable>
 #include <cstdint>
@@ -69,6 +70,10 @@ tag BlockedTag() { return ChannelBlock() == 16 ? tag::aBcd16b : tag::aBcd8b; }
 
 // oneDNN in MindSpore is built for a caller-supplied thread pool. This one is synchronous: the
 // calling thread takes a share, workers spin briefly (a step makes hundreds of short calls) then sleep.
+// The spin is timed: MindSpore launches the next call 8-128 microseconds after the last one ends (most gaps of
+// a step), and waking a sleeping worker costs more than spinning through that.
+constexpr auto kWorkerSpin = std::chrono::microseconds(200);
+
 class ThreadPool : public dnnl::threadpool_interop::threadpool_iface {
  public:
   explicit ThreadPool(int threads) : threads_(std::max(1, threads)) {
@@ -115,8 +120,12 @@ class ThreadPool : public dnnl::threadpool_interop::threadpool_iface {
     uint64_t seen = 0;
     for (;;) {
       bool started = false;
-      for (int spin = 0; spin < 20000 && !started; ++spin) {
+      const auto until = std::chrono::steady_clock::now() + kWorkerSpin;
+      for (int spin = 1; !started; ++spin) {
         started = generation_.load(std::memory_order_acquire) != seen;
+        if (started) break;
+        _mm_pause();  // frees the core's execution ports and power while polling
+        if (spin % 32 == 0 && std::chrono::steady_clock::now() > until) break;
       }
       if (!started) {
         std::unique_lock<std::mutex> lock(mutex_);

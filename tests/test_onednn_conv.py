@@ -406,6 +406,41 @@ def test_channel_block_follows_the_isa_in_effect():
     assert channel_block() == native_channel_block("AVX2" if capped else None)
 
 
+# A fresh process without MindSpore: the library's two-thread pool runs AddRelu (checked against NumPy), then the
+# process idles; prints the CPU seconds all its threads used in the idle second.
+IDLE_POOL_SCRIPT = """
+import ctypes, sys, time
+import numpy as np
+library = ctypes.CDLL(sys.argv[1])
+assert library.onednn_conv_set_threads(2) == 2
+shape = (8, 64, 32, 32)  # several of the pool's chunks, so that both threads take a share
+a = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
+arrays = [a, -a[::-1].copy(), np.empty_like(a)]
+params = (ctypes.c_void_p * 3)(*[array.ctypes.data for array in arrays])
+dims = [(ctypes.c_int64 * 4)(*shape) for _ in arrays]
+shapes = (ctypes.POINTER(ctypes.c_int64) * 3)(*[ctypes.cast(d, ctypes.POINTER(ctypes.c_int64)) for d in dims])
+for _ in range(100):
+    assert library.AddRelu(3, params, (ctypes.c_int * 3)(4, 4, 4), shapes, (ctypes.c_char_p * 3)(*[b"float32"] * 3),
+                           None, None) == 0
+np.testing.assert_array_equal(arrays[2], np.maximum(arrays[0] + arrays[1], 0))
+time.sleep(0.1)
+start = time.process_time()
+time.sleep(1.0)
+print("IDLE-CPU", time.process_time() - start)
+"""
+
+
+def test_pool_workers_sleep_when_the_calls_stop():
+    """The native pool's workers spin for the next call only briefly (MindSpore's gaps between calls), then sleep:
+    an idle training or evaluation process must not keep a core busy."""
+    from src.onednn_conv import usable_library
+    process = subprocess.run([sys.executable, "-c", IDLE_POOL_SCRIPT, usable_library()], capture_output=True,
+                             text=True, timeout=120)
+    assert process.returncode == 0, process.stderr[-3000:]
+    idle_cpu = float(process.stdout.split("IDLE-CPU")[1])
+    assert idle_cpu < 0.1, f"{idle_cpu:.3f} CPU seconds in one idle second"
+
+
 # The in-process tests run under conftest's AVX2 cap, so on 8-channel blocks; these are the numerics tests to rerun
 # uncapped, where an AVX-512 CPU takes 16-channel blocks and other kernels.
 UNCAPPED_TESTS = ["tests/test_onednn_conv.py", "tests/test_fused_inference.py", "tests/test_native_optimizer.py", "-k",
