@@ -792,6 +792,7 @@ void SmallMatmul(dnnl::threadpool_interop::threadpool_iface &pool, SmallProduct 
 // as two halves, and the products run in PanelRows512 and PanelPairRows512.
 constexpr int kWinogradBlock = 8, kWinogradPositions = 16;  // F(2x2, 3x3)'s; WinogradShape::positions() in general
 constexpr int64_t kWinogradChunkBytes = 300 * 1024;  // a chunk's transformed input and products, per thread
+constexpr int64_t kWinogradStreamedWeights = 16 << 20;  // transformed weights past half a 32 MB L3
 constexpr int64_t kWinogradMinTiles = 12;            // fewer (a batch of one 4x4 map): direct is faster
 // Tiles a chunk of the weight gradient has at least: each chunk reads and writes the thread's (16, out, in) sums.
 constexpr int64_t kWinogradGradientTiles = 128;
@@ -1167,7 +1168,13 @@ void WinogradConvolution(dnnl::threadpool_interop::threadpool_iface &pool, const
   const int64_t rows = PanelRowsAtOnce(), panels = s.out / kPanelColumns;
   // AVX-512 on its 16-channel blocks: whole-block transforms (F(4x4, 3x3)) and panels in pairs.
   const bool wide = PanelsAvx512() && ChannelBlock() == kWideBlock;
-  const int64_t most = std::max<int64_t>(rows, kWinogradChunkBytes / (positions * 4 * (s.in + s.out)) / rows * rows);
+  // A chunk's tiles: as many as keep its transformed inputs and products in L2. But each chunk reads all the
+  // transformed weights, and where they outgrow the L3 (layer4's: 36 MB at F(4x4, 3x3)) that is a stream from
+  // memory per chunk: there a chunk takes at least the tiles whose inputs and products weigh half the weights.
+  const int64_t tile_bytes = positions * 4 * (s.in + s.out), weight_bytes = positions * 4 * s.in * s.out;
+  int64_t fitting = kWinogradChunkBytes / tile_bytes;
+  if (weight_bytes > kWinogradStreamedWeights) fitting = std::max(fitting, weight_bytes / (2 * tile_bytes));
+  const int64_t most = std::max<int64_t>(rows, fitting / rows * rows);
   // As many chunks as that size needs, rounded up to a multiple of the threads so that they end together.
   const int64_t chunks = ((tiles + most - 1) / most + threads - 1) / threads * threads;
   const int64_t chunk = (tiles + chunks - 1) / chunks;
