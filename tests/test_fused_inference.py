@@ -105,8 +105,9 @@ def test_3x3_layers_on_channel_blocks_equal_numpy_for_odd_maps_and_weights_versi
     """3x3 stride-1 layers between channel blocks (Winograd: F(4x4, 3x3) where the map has 12 tiles of 4x4, as
     9x6 at batch 3 and 14x14 here, else F(2x2, 3x3) where it has 12 of 2x2, as 5x7; fewer run oneDNN's direct kernel;
     on AVX-512's 16-channel blocks F(4x4, 3x3) reads whole blocks and F(2x2, 3x3) two halves): odd map sizes cut the
-    last tiles, the tiles go in chunks over the threads, the bias and post-op come with the output, and new weights
-    under a new version replace the packed ones."""
+    last tiles, the tiles go in chunks over the threads (larger ones where the transformed weights are large, as at
+    512 channels), the bias and post-op come with the output, and new weights under a new version replace the packed
+    ones."""
     from src.fused_inference import BLOCKED, _convolution_op, _layouts
     from src.onednn_conv import channel_block
     block = channel_block()
@@ -122,7 +123,8 @@ def test_3x3_layers_on_channel_blocks_equal_numpy_for_odd_maps_and_weights_versi
     rng = np.random.default_rng(4)
     op, layouts = _convolution_op(post, 1, 1, BLOCKED, BLOCKED), _layouts(BLOCKED, BLOCKED)
     for batch, in_channels, out_channels, height, width in ((1, 16, 32, 5, 7), (3, 48, 48, 9, 6), (2, 16, 32, 4, 4),
-                                                            (2, 32, 16, 1, 3), (4, 16, 32, 14, 14)):
+                                                            (2, 32, 16, 1, 3), (4, 16, 32, 14, 14),
+                                                            (2, 512, 512, 14, 14)):
         for version in (1, 2):
             weights = rng.standard_normal((out_channels, in_channels, 3, 3)).astype(np.float32)
             bias = rng.standard_normal(out_channels).astype(np.float32)
@@ -137,7 +139,9 @@ def test_3x3_layers_on_channel_blocks_equal_numpy_for_odd_maps_and_weights_versi
             if post != "None":
                 expected = np.maximum(expected, 0.0)
             actual = plain(op(*inputs).asnumpy())
-            assert rel_diff(actual, expected) < 1e-5, (batch, in_channels, out_channels, height, width, version)
+            # F(4x4, 3x3)'s rounding grows with the sums: 4608 terms at 512 channels (1.4e-5 measured), 432 at 48.
+            tolerance = 3e-5 if in_channels >= 512 else 1e-5
+            assert rel_diff(actual, expected) < tolerance, (batch, in_channels, out_channels, height, width, version)
 
 
 def test_refresh_takes_the_new_weights_and_statistics():
