@@ -390,11 +390,13 @@ std::optional<PixelPairs> AllPixelPairs(const memory::dims &src, const memory::d
   return pairs;
 }
 
+int StepVectorBits();
+
 // Whether ExpandPairsRuns and FoldPairsRuns take the pairs: runs of 8 or 16 channels (training's channel blocks),
-// kernels of at most kVectorTaps taps (3x3 has 9), and AVX2.
+// kernels of at most kVectorTaps taps (3x3 has 9), and AVX2 allowed by the CPU and oneDNN's ISA in effect.
 constexpr int64_t kVectorTaps = 32;
 bool VectorRuns(const PixelPairs &pairs) {
-  return (pairs.x_run == 8 || pairs.x_run == 16) && pairs.taps <= kVectorTaps && __builtin_cpu_supports("avx2");
+  return (pairs.x_run == 8 || pairs.x_run == 16) && pairs.taps <= kVectorTaps && StepVectorBits() >= 256;
 }
 
 // The rows of output channel o of the pairs' matrix, where x_run is one or two AVX2 vectors (the channel blocks of
@@ -517,8 +519,6 @@ enum class PostOp { kNone, kRelu, kAddRelu };
 // k, 16); each panel meets the rows 6 at a time (12 accumulators of the 16 vector registers), over slices of 256
 // of k, so that the panel's slice stays in L1 across the row blocks.
 constexpr int64_t kPanelColumns = 16, kPanelRowBlock = 6, kPanelSlice = 256;
-
-int StepVectorBits();
 
 // Whether this machine and oneDNN's ISA in effect run the panels: AVX2 without AVX-512 (AVX-512 has oneDNN's
 // brgemm matmul on packed weights), whole panels only.
