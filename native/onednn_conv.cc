@@ -412,6 +412,12 @@ __attribute__((target("avx2"))) void ExpandPairsRuns(const PixelPairs &pairs, co
   alignas(32) float by_tap[kVectorTaps * length];
   for (int64_t run = 0; run < runs; ++run) {
     const float *kernels = weights + (o * pairs.in + run * length) * taps;
+    if (o + 1 < pairs.out) {  // the next channel's run: in a step the weights come from memory, not cache
+      const auto next = reinterpret_cast<uintptr_t>(kernels + pairs.in * taps);
+      for (uintptr_t line = next & ~uintptr_t{63}; line < next + length * taps * sizeof(float); line += 64) {
+        _mm_prefetch(reinterpret_cast<const char *>(line), _MM_HINT_T0);
+      }
+    }
     for (int64_t t = 0; t < taps; ++t) {
       for (int64_t c = 0; c < length; c += 8) {
         _mm256_store_ps(by_tap + t * length + c, _mm256_i32gather_ps(kernels + c * taps + t, channels, 4));
