@@ -37,7 +37,7 @@ from src.atomic_file import write_text_atomic
 from src.benchmark import (GEMM_BACKENDS, OPTIMIZERS, Measurement, check_recipe, export_onnx_here,
                            export_onnx_in_subprocess, flops_per_image, forward_macs, forward_macs_in_subprocess,
                            measure_gemm_here, measure_gemm_in_subprocess, measure_here, measure_in_subprocess,
-                           measure_train_py, table, to_json)
+                           measure_train_py, table, to_json, warmup_steps)
 from src.errors import OneLineArgumentParser, UserError, run_cli
 from src.model_utils.config import CHOICES
 
@@ -106,7 +106,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--batch_size", type=_batch_sizes, default="32",
                         help="images per step; several, comma separated, are measured side by side (e.g. 32,64)")
     parser.add_argument("--threads", type=_int_at_least(1), default=os.cpu_count() or 1)
-    parser.add_argument("--warmup", type=_int_at_least(0), default=2)
+    parser.add_argument("--warmup", type=_int_at_least(0), default=None,
+                        help="untimed steps before the timings (default: four timings' worth, at least 2: 20 at "
+                             "32x32, 4 at larger sizes; MindSpore's first 15 or so training steps run 5-7 %% slower)")
     parser.add_argument("--repeats", type=_int_at_least(1), default=3)
     parser.add_argument("--rounds", type=_int_at_least(1), default=1,
                         help="times the whole set of measurements is repeated, alternating the frameworks")
@@ -154,11 +156,12 @@ def run_worker(args: argparse.Namespace) -> object:
     if args.worker == "onnx-export":
         return export_onnx_here(args.model_name, args.sizes[0], args.batch_size[0], args.onnx_path)
     if args.worker.startswith("gemm-"):
-        return asdict(measure_gemm_here(args.worker[len("gemm-"):], args.gemm_size, args.threads, args.warmup,
-                                        args.repeats, args.conv_implementation))
+        return asdict(measure_gemm_here(args.worker[len("gemm-"):], args.gemm_size, args.threads,
+                                        warmup_steps(args.warmup, 1), args.repeats, args.conv_implementation))
     return asdict(measure_here(args.worker, args.modes[0], args.model_name, args.sizes[0], args.batch_size[0],
-                               args.threads, args.warmup, args.repeats, args.steps or 1, args.conv_implementation,
-                               args.inference_network, args.recipes[0], args.onnx_path, args.optimizer))
+                               args.threads, warmup_steps(args.warmup, args.steps or 1), args.repeats, args.steps or 1,
+                               args.conv_implementation, args.inference_network, args.recipes[0], args.onnx_path,
+                               args.optimizer))
 
 
 def measure_models(args: argparse.Namespace, frameworks: List[str], macs: Dict[int, int],
@@ -188,7 +191,7 @@ def measure_models(args: argparse.Namespace, frameworks: List[str], macs: Dict[i
                                                    max(6, args.repeats * steps), work_folder, args.optimizer)
                 else:
                     measurement = measure_in_subprocess(
-                        framework, mode, args.model_name, size, batch, args.threads, args.warmup,
+                        framework, mode, args.model_name, size, batch, args.threads, warmup_steps(args.warmup, steps),
                         args.repeats, steps, args.conv_implementation, args.inference_network, recipe or "O0",
                         onnx_files.get((size, batch), "") if framework == "onnxruntime" else "", args.optimizer)
                 key = (framework, mode, size, batch, recipe)
@@ -234,8 +237,9 @@ def main() -> int:
         gemms = []
         for backend in gemm_backends:
             print(f"measuring GEMM {backend} ({phase}) ...", file=sys.stderr, flush=True)
-            gemms.append(measure_gemm_in_subprocess(backend, args.gemm_size, args.threads, args.warmup, args.repeats,
-                                                    phase, args.conv_implementation))
+            gemms.append(measure_gemm_in_subprocess(backend, args.gemm_size, args.threads,
+                                                    warmup_steps(args.warmup, 1), args.repeats, phase,
+                                                    args.conv_implementation))
         return gemms
 
     print(f"counting {args.model_name} FLOPs ...", file=sys.stderr, flush=True)
@@ -256,7 +260,7 @@ def main() -> int:
                    "processor": _cpu_name(), "cores": str(os.cpu_count()), "python": platform.python_version(),
                    "mindspore": importlib.metadata.version("mindspore"), "model": args.model_name,
                    "isa": "avx2 (" + ", ".join(f"{k}={v}" for k, v in AVX2_CAP.items()) + ")"
-                   if args.isa == "avx2" else "native"}
+                   if args.isa == "avx2" else "native", "transparent_hugepage": _transparent_hugepages()}
     if "train" in args.modes:
         environment["optimizer"] = args.optimizer
     ran = {(m.conv_implementation, m.onednn_max_cpu_isa) for m in measurements if m.framework == "mindspore"}
@@ -294,6 +298,15 @@ def _cpu_name() -> str:
     except OSError:
         pass
     return platform.processor()
+
+
+def _transparent_hugepages() -> str:
+    """The kernel's transparent-huge-page mode (always, madvise or never): with huge pages, PyTorch's training step
+    at 32x32 ran 1.09x to 1.25x as fast as without, MindSpore's 1.02x to 1.05x (docs/performance.md)."""
+    try:
+        return Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text().split("[", 1)[1].split("]", 1)[0]
+    except (OSError, IndexError):
+        return "unknown"
 
 
 if __name__ == "__main__":

@@ -86,6 +86,13 @@ def peak_memory_bytes() -> Optional[int]:
     return None
 
 
+def warmup_steps(asked: Optional[int], steps: int) -> int:
+    """The untimed steps before the timings of `steps` steps each: `asked`, or by default four timings' worth and at
+    least 2. Why four: MindSpore's first 15 or so training steps at 32x32 run 5-7 % slower than the ones after
+    (PyTorch's do not), and a training run is the steps after; docs/performance.md has the measurement."""
+    return asked if asked is not None else max(2, 4 * steps)
+
+
 def _time_steps(run_step: Callable[[], None], warmup: int, repeats: int, steps: int,
                 finish: Optional[Callable[[], None]] = None,
                 when_warm: Optional[Callable[[], object]] = None) -> List[float]:
