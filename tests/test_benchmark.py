@@ -222,7 +222,7 @@ def test_onnxruntime_column_compares_inference_only():
 @pytest.mark.parametrize("args, option", [(["--sizes", "abc"], "--sizes"), (["--sizes", "32,16"], "--sizes"),
                                           (["--batch_size", "0"], "--batch_size"), (["--modes", "fit"], "--modes"),
                                           (["--batch_size", "32,x"], "--batch_size"),
-                                          (["--gemm_size", "x"], "--gemm_size"),
+                                          (["--gemm_size", "x"], "--gemm_size"), (["--warmup", "-1"], "--warmup"),
                                           (["--inference_network", "onnx"], "--inference_network"),
                                           (["--recipes", "O0,O4"], "--recipes"),
                                           (["--frameworks", "tensorflow"], "--frameworks"), (["--recipes", "sink"], "--recipes")])
