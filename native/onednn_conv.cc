@@ -518,12 +518,12 @@ void FoldPixelPairs(const PixelPairs &pairs, const float *matrix_gradient, float
 // Primitive and layouts for one convolution shape and direction, created once.
 enum class PostOp { kNone, kRelu, kAddRelu };
 
-// Inference's matrix products of a batch with large weights, on AVX2: (m, k) rows times (k, n) weights, plus a bias
-// per column, then the post-op. oneDNN's only AVX2 matmul is its GEMM, which packs the weights again at every call:
-// (32 x 1024) x (1024 x 1024) products ran at 115-135 GFLOP/s on two threads, against 160-175 here with the
-// weights packed once per version (a standalone timing). The weights are kept as panels of 16 columns, (n / 16,
-// k, 16); each panel meets the rows 6 at a time (12 accumulators of the 16 vector registers), over slices of 256
-// of k, so that the panel's slice stays in L1 across the row blocks.
+// Inference's matrix products of a batch with large weights (AVX-512 too: InferencePanelsUsable): (m, k) rows times
+// (k, n) weights, plus a bias per column, then the post-op. oneDNN's only AVX2 matmul is its GEMM, which packs the
+// weights again at every call: (32 x 1024) x (1024 x 1024) products ran at 115-135 GFLOP/s on two threads, against
+// 160-175 here with the weights packed once per version (a standalone timing). The weights are kept as panels of 16
+// columns, (n / 16, k, 16); each panel meets the rows 6 at a time (12 accumulators of the 16 vector registers), over
+// slices of 256 of k, so that the panel's slice stays in L1 across the row blocks.
 constexpr int64_t kPanelColumns = 16, kPanelRowBlock = 6, kPanelSlice = 256;
 // Panel rows (a cache line each) that the products prefetch ahead: at batch 32 the first row block reads each
 // slice from memory (inference's one-pixel layers read about 85 MB of weights a pass), and the hardware's
@@ -536,7 +536,8 @@ inline void PrefetchPanelRow(const float *panel, int64_t i) {  // past the panel
 }
 
 // Whether this machine and oneDNN's ISA in effect run the panels: AVX2 without AVX-512 (AVX-512 has oneDNN's
-// brgemm matmul on packed weights), whole panels only.
+// brgemm matmul on packed weights; only inference's products leave it there, InferencePanelsUsable), whole panels
+// only.
 bool PanelsUsable(int64_t n) {
   return StepVectorBits() == 256 && __builtin_cpu_supports("fma") && n % kPanelColumns == 0;
 }
@@ -637,12 +638,19 @@ __attribute__((target("avx512f"))) void PanelRows512(const float *a, int64_t lda
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(c + r * ldc, sums[r]);
 }
 
-// Whether PanelRowBlock runs PanelRows512: where oneDNN's ISA in effect is AVX-512 (only the Winograd layers'
-// products run on the panels there).
+// Whether PanelRowBlock runs PanelRows512: where oneDNN's ISA in effect is AVX-512 (the Winograd layers' and
+// inference's matrix products run on the panels there).
 bool PanelsAvx512() {
   static const bool avx512 = StepVectorBits() == 512;
   return avx512;
 }
+
+// Whether inference's matrix products (MatrixPlan) run on the panels: with AVX2 (PanelsUsable), and with AVX-512,
+// where PanelMatmul takes two panels at a time. At 32x32 inputs they are (32 x K) x (K x N) products whose weights
+// come from memory (about 85 MB a pass); with 16 copies of the weights cycled, the paired panels ran ResNet-50's
+// four shapes there at 382-453 GFLOP/s, against 331-358 for oneDNN's matmul (its GEMM or brgemm), and at 482-495
+// against 453-485 with the weights in the L3 (a standalone timing, two threads).
+bool InferencePanelsUsable(int64_t n) { return PanelsUsable(n) || (PanelsAvx512() && n % kPanelColumns == 0); }
 
 // Rows a call of PanelRowBlock takes at most: 12 with AVX-512, else kPanelRowBlock.
 int64_t PanelRowsAtOnce() { return PanelsAvx512() ? 12 : kPanelRowBlock; }
@@ -695,12 +703,13 @@ void PanelColumns(int64_t p, int64_t m, int64_t k, int64_t n, const float *a, co
   }
 }
 
-// Rows [0, R) of two adjacent panels' 32 columns over one slice of k, with AVX-512 (no epilogue): each broadcast
-// of a's element feeds two FMAs, where PanelRows512 loads one per FMA.
+// Rows [0, R) of two adjacent panels' 32 columns over one slice of k, with AVX-512, then the epilogue (its bias and
+// residual rows 32 columns wide) on the last: each broadcast of a's element feeds two FMAs, where PanelRows512 loads
+// one per FMA.
 template <int R>
 __attribute__((target("avx512f"))) void PanelPairRows512(const float *a, int64_t lda, const float *panel,
                                                           const float *next_panel, int64_t depth, float *c,
-                                                          int64_t ldc, bool first) {
+                                                          int64_t ldc, bool first, const PanelEpilogue *last) {
   __m512 left[R], right[R];
 #pragma GCC unroll 12
   for (int r = 0; r < R; ++r) {
@@ -719,6 +728,23 @@ __attribute__((target("avx512f"))) void PanelPairRows512(const float *a, int64_t
       right[r] = _mm512_fmadd_ps(value, next_columns, right[r]);
     }
   }
+  if (last != nullptr) {
+    const __m512 bias = _mm512_loadu_ps(last->bias), next_bias = _mm512_loadu_ps(last->bias + kPanelColumns);
+#pragma GCC unroll 12
+    for (int r = 0; r < R; ++r) {
+      left[r] = _mm512_add_ps(left[r], bias);
+      right[r] = _mm512_add_ps(right[r], next_bias);
+      if (last->residual != nullptr) {
+        const float *residual = last->residual + r * last->residual_stride;
+        left[r] = _mm512_add_ps(left[r], _mm512_loadu_ps(residual));
+        right[r] = _mm512_add_ps(right[r], _mm512_loadu_ps(residual + kPanelColumns));
+      }
+      if (last->relu) {
+        left[r] = _mm512_max_ps(left[r], _mm512_setzero_ps());
+        right[r] = _mm512_max_ps(right[r], _mm512_setzero_ps());
+      }
+    }
+  }
 #pragma GCC unroll 12
   for (int r = 0; r < R; ++r) {
     _mm512_storeu_ps(c + r * ldc, left[r]);
@@ -726,8 +752,10 @@ __attribute__((target("avx512f"))) void PanelPairRows512(const float *a, int64_t
   }
 }
 
-// Panels p and p + 1 of c (m, n) = a (m, k) x panels, with AVX-512, no bias or post-op (the Winograd products).
-void PanelColumnPair(int64_t p, int64_t m, int64_t k, int64_t n, const float *a, const float *panels, float *c) {
+// Panels p and p + 1 of c (m, n) = a (m, k) x panels, with AVX-512; where bias is given, plus the bias [+ residual
+// (m, n)] and the post-op on the last slice (inference's products; the Winograd products have none).
+void PanelColumnPair(int64_t p, int64_t m, int64_t k, int64_t n, const float *a, const float *panels,
+                     const float *bias, const float *residual, PostOp post, float *c) {
   const int64_t column = p * kPanelColumns;
   for (int64_t start = 0; start < k; start += kPanelSlice) {
     const int64_t depth = std::min(kPanelSlice, k - start);
@@ -735,28 +763,42 @@ void PanelColumnPair(int64_t p, int64_t m, int64_t k, int64_t n, const float *a,
     for (int64_t row = 0; row < m; row += 12) {
       const float *rows = a + row * k + start;
       float *out = c + row * n + column;
+      const PanelEpilogue epilogue{bias ? bias + column : nullptr, residual ? residual + row * n + column : nullptr, n,
+                                   post != PostOp::kNone};
+      const PanelEpilogue *last = bias != nullptr && start + depth == k ? &epilogue : nullptr;
       switch (std::min<int64_t>(12, m - row)) {
-        case 12: PanelPairRows512<12>(rows, k, panel, next, depth, out, n, start == 0); break;
-        case 11: PanelPairRows512<11>(rows, k, panel, next, depth, out, n, start == 0); break;
-        case 10: PanelPairRows512<10>(rows, k, panel, next, depth, out, n, start == 0); break;
-        case 9: PanelPairRows512<9>(rows, k, panel, next, depth, out, n, start == 0); break;
-        case 8: PanelPairRows512<8>(rows, k, panel, next, depth, out, n, start == 0); break;
-        case 7: PanelPairRows512<7>(rows, k, panel, next, depth, out, n, start == 0); break;
-        case 6: PanelPairRows512<6>(rows, k, panel, next, depth, out, n, start == 0); break;
-        case 5: PanelPairRows512<5>(rows, k, panel, next, depth, out, n, start == 0); break;
-        case 4: PanelPairRows512<4>(rows, k, panel, next, depth, out, n, start == 0); break;
-        case 3: PanelPairRows512<3>(rows, k, panel, next, depth, out, n, start == 0); break;
-        case 2: PanelPairRows512<2>(rows, k, panel, next, depth, out, n, start == 0); break;
-        default: PanelPairRows512<1>(rows, k, panel, next, depth, out, n, start == 0); break;
+        case 12: PanelPairRows512<12>(rows, k, panel, next, depth, out, n, start == 0, last); break;
+        case 11: PanelPairRows512<11>(rows, k, panel, next, depth, out, n, start == 0, last); break;
+        case 10: PanelPairRows512<10>(rows, k, panel, next, depth, out, n, start == 0, last); break;
+        case 9: PanelPairRows512<9>(rows, k, panel, next, depth, out, n, start == 0, last); break;
+        case 8: PanelPairRows512<8>(rows, k, panel, next, depth, out, n, start == 0, last); break;
+        case 7: PanelPairRows512<7>(rows, k, panel, next, depth, out, n, start == 0, last); break;
+        case 6: PanelPairRows512<6>(rows, k, panel, next, depth, out, n, start == 0, last); break;
+        case 5: PanelPairRows512<5>(rows, k, panel, next, depth, out, n, start == 0, last); break;
+        case 4: PanelPairRows512<4>(rows, k, panel, next, depth, out, n, start == 0, last); break;
+        case 3: PanelPairRows512<3>(rows, k, panel, next, depth, out, n, start == 0, last); break;
+        case 2: PanelPairRows512<2>(rows, k, panel, next, depth, out, n, start == 0, last); break;
+        default: PanelPairRows512<1>(rows, k, panel, next, depth, out, n, start == 0, last); break;
       }
     }
   }
 }
 
-// c (m, n) = post(a (m, k) x panels + bias [+ residual (m, n)]), the panels split among the pool's threads.
+// c (m, n) = post(a (m, k) x panels + bias [+ residual (m, n)]), the panels split among the pool's threads: in
+// pairs with AVX-512 where they pair up.
 void PanelMatmul(dnnl::threadpool_interop::threadpool_iface &pool, int64_t m, int64_t k, int64_t n, const float *a,
                  const float *panels, const float *bias, const float *residual, PostOp post, float *c) {
   const int64_t count = n / kPanelColumns;
+  if (PanelsAvx512() && count % 2 == 0) {
+    const int64_t pairs = count / 2;
+    const int threads = static_cast<int>(std::min<int64_t>(pool.get_num_threads(), pairs));
+    pool.parallel_for(threads, [&](int thread, int) {
+      for (int64_t q = pairs * thread / threads; q < pairs * (thread + 1) / threads; ++q) {
+        PanelColumnPair(2 * q, m, k, n, a, panels, bias, residual, post, c);
+      }
+    });
+    return;
+  }
   const int threads = static_cast<int>(std::min<int64_t>(pool.get_num_threads(), count));
   pool.parallel_for(threads, [&](int thread, int) {
     for (int64_t p = count * thread / threads; p < count * (thread + 1) / threads; ++p) {
@@ -900,7 +942,7 @@ struct WinogradShape {
 };
 
 // Whether the Winograd layers' products can run on the panels: with AVX2 and FMA, or with AVX-512 (PanelRows512),
-// unlike PanelsUsable's matrix products, which AVX-512 machines leave to oneDNN's brgemm matmul.
+// unlike training's matrix products (PanelsUsable), which AVX-512 machines leave to oneDNN's brgemm matmul.
 bool WinogradPanelsUsable(int64_t n) {
   return StepVectorBits() >= 256 && __builtin_cpu_supports("fma") && n % kPanelColumns == 0;
 }
@@ -1286,7 +1328,7 @@ void WinogradConvolution(dnnl::threadpool_interop::threadpool_iface &pool, const
         float *mp = m + position * count * s.out;
         for (int64_t panel = 0; panel < panels;) {  // on this thread, no epilogue
           if (wide && panel + 1 < panels) {
-            PanelColumnPair(panel, count, s.in, s.out, vp, up, mp);
+            PanelColumnPair(panel, count, s.in, s.out, vp, up, nullptr, nullptr, PostOp::kNone, mp);
             panel += 2;
           } else {
             PanelColumns(panel, count, s.in, s.out, vp, up, nullptr, nullptr, PostOp::kNone, mp);
@@ -2482,11 +2524,12 @@ class InferenceRuntime {
   }
 
   // src (batch, k) times weights read through `source` (a (k, n) view of them), with bias (1, n) and the post-op,
-  // into dst (batch, n): on AVX2 PanelMatmul, else oneDNN's matmul (nullopt where that is its reference one).
+  // into dst (batch, n): PanelMatmul where InferencePanelsUsable, else oneDNN's matmul (nullopt where that is its
+  // reference one).
   std::optional<InferencePlan> MatrixPlan(PostOp post, const memory::desc &src, const memory::desc &source,
                                           const memory::desc &bias, const memory::desc &dst) {
     const memory::dim k = src.get_dims()[1], n = dst.get_dims()[1];
-    if (PanelsUsable(n)) {
+    if (InferencePanelsUsable(n)) {
       InferencePlan plan{{}, src, PanelsDesc(k, n), bias, dst, {}, {}, PanelsView(source), 0};
       plan.panels = true;
       return plan;

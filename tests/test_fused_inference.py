@@ -63,14 +63,15 @@ def test_fused_network_computes_the_resnet_inference(model_name, batch, size, la
 
 @pytest.mark.parametrize("post", ["None", "Relu", "AddRelu"])
 def test_one_pixel_products_equal_numpy_for_every_row_count_and_weights_version(post):
-    """A layer on one-pixel maps is a matrix product (on AVX2 the native panels, whose row blocks of 6 and slices of
-    256 input channels leave remainders; 40 output channels are not whole panels and run oneDNN's matmul): every
-    batch size from 1 to 13, a 3x3 kernel by its centre tap, the bias and post-op, and new weights under a new
-    version replacing the packed ones."""
+    """A layer on one-pixel maps is a matrix product (the native panels, whose row blocks of 6 (AVX2) or 12
+    (AVX-512) and slices of 256 input channels leave remainders; with AVX-512, 64 output channels run as a pair of
+    panels and 48 as single ones; 40 are not whole panels and run oneDNN's matmul): every batch size from 1 to 13, a
+    3x3 kernel by its centre tap, the bias and post-op, and new weights under a new version replacing the packed
+    ones."""
     from src.fused_inference import NHWC, _convolution_op, _layouts
     rng = np.random.default_rng(3)
     op, layouts = _convolution_op(post, 1, 1, NHWC, NHWC), _layouts(NHWC, NHWC)
-    for out in (48, 40):
+    for out in (64, 48, 40):
         for version in (1, 2):
             weights = rng.standard_normal((out, 264, 3, 3)).astype(np.float32)
             bias = rng.standard_normal(out).astype(np.float32)
@@ -223,31 +224,31 @@ fused(images).asnumpy()
 # ReLUs: after the stem, every convolution inside a block but the last, and every residual addition. Matrix
 # products: layer4's layers whose output map is one pixel (ResNet-50 at 32x32: 9 of its 53 layers), two of them
 # (the stride-2 ones) from a 2x2 map whose pixels they gather first, and layer3's five 3x3 stride-1 layers on 2x2
-# maps, with weights expanded per pair of pixels: 14, with 3 of the additions and 13 of the ReLUs. On AVX2 the
-# native panels run them, so oneDNN's log has none of them (only their 2 gathers).
-PRODUCTS = 14, 3, 13  # matrix products, their additions, their ReLUs
+# maps, with weights expanded per pair of pixels: 14, with 3 of the additions and 13 of the ReLUs. The native panels
+# run them (AVX-512's in pairs), so oneDNN's log has none of them (only their 2 gathers).
+PRODUCT_POST_OPS = 3, 13  # the 14 matrix products' additions and ReLUs
 # On blocks (AVX2's or AVX-512's), layer1's three 3x3 layers (8x8 maps: 32 output tiles of 2x2 at batch 2) run
 # natively too (Winograd), with their ReLUs; layer2's (4x4 maps: 8 tiles) stay oneDNN's.
 WINOGRAD_LAYERS = 3
 
 
-@pytest.mark.parametrize("model_name, size, choice, isa, convolutions, products, gathers, additions, relus", [
-    ("resnet50", 32, "auto", None, 39, PRODUCTS, 2, 16, 49), ("resnet50", 32, "auto", "AVX2", 39, PRODUCTS, 2, 16, 49),
-    ("resnet18", 72, "nhwc", None, 20, (0, 0, 0), 0, 8, 17)],
+@pytest.mark.parametrize("model_name, size, choice, isa, convolutions, product_post_ops, gathers, additions, relus", [
+    ("resnet50", 32, "auto", None, 39, PRODUCT_POST_OPS, 2, 16, 49),
+    ("resnet50", 32, "auto", "AVX2", 39, PRODUCT_POST_OPS, 2, 16, 49),
+    ("resnet18", 72, "nhwc", None, 20, (0, 0), 0, 8, 17)],
     ids=["resnet50-blocked", "resnet50-blocked-AVX2", "resnet18-nhwc"])
 @pytest.mark.slow
 def test_oneDNN_log_one_call_per_layer_and_no_reorders_after_the_first_pass(model_name, size, choice, isa,
-                                                                             convolutions, products, gathers,
+                                                                             convolutions, product_post_ops, gathers,
                                                                              additions, relus):
     """oneDNN's own log: one convolution a layer with BatchNorm folded (bias), ReLU and the residual additions as
     post-ops, none through GEMM or reference kernels, on the chosen layout (channel blocks of 16 with AVX-512,
-    of 8 under an AVX2 cap; the stem reads the NCHW images there), and a matrix product with the same bias and
-    post-ops (not oneDNN's reference one; on AVX2 the native panels instead) where a layer's output map is one
-    pixel or a 2x2 map's pixel pairs (and large enough 3x3 stride-1 layers on blocks run natively); the
-    second pass reorders no weights, only the input pixels that a one-pixel output gathers from a larger map."""
+    of 8 under an AVX2 cap; the stem reads the NCHW images there), and no oneDNN matrix product where a layer's
+    output map is one pixel or a 2x2 map's pixel pairs: the native panels run those with the same bias and
+    post-ops (and large enough 3x3 stride-1 layers on blocks run natively); the second pass reorders no weights,
+    only the input pixels that a one-pixel output gathers from a larger map."""
     layout = "acdb" if choice == "nhwc" else f"aBcd{native_channel_block(isa)}b"  # oneDNN's names for NHWC, blocks
-    if native_channel_block(isa) == 8:  # AVX2: the products run natively, outside oneDNN's log
-        products, additions, relus = (0, 0, 0), additions - products[1], relus - products[2]
+    additions, relus = additions - product_post_ops[0], relus - product_post_ops[1]  # the products' are native
     if choice != "nhwc":  # and on blocks, with AVX-512 too, so do Winograd's layers
         convolutions, relus = convolutions - WINOGRAD_LAYERS, relus - WINOGRAD_LAYERS
     executed = onednn_exec_log(["-c", VERBOSE_SCRIPT, model_name, str(size), choice], isa, marker="SECOND PASS")
@@ -259,10 +260,8 @@ def test_oneDNN_log_one_call_per_layer_and_no_reorders_after_the_first_pass(mode
         assert re.fullmatch(r"2x\d+x[12]x[12]", fields[-2]) and f"src:f32::blocked:{layout}:" in fields[8], fields
     assert "eltwise" not in kinds and "binary" not in kinds and "batch_normalization" not in kinds
     layers = [fields for fields in executed if fields[5] == "convolution"]
-    # The layers' matrix products carry the folded BatchNorm's bias; the classifier's (MindSpore's Dense) does not.
-    matrix_products = [fields for fields in executed if fields[5] == "matmul" and "bia:f32" in ",".join(fields)]
-    assert len(matrix_products) == products[0]
-    assert all("ref" not in fields[6] for fields in matrix_products)
+    # A layer's matrix product would carry the folded BatchNorm's bias; the classifier's (MindSpore's Dense) does not.
+    assert not [fields for fields in executed if fields[5] == "matmul" and "bia:f32" in ",".join(fields)]
     for number, fields in enumerate(layers):
         line = ",".join(fields)
         assert fields[7] == "forward_inference", line
@@ -272,8 +271,8 @@ def test_oneDNN_log_one_call_per_layer_and_no_reorders_after_the_first_pass(mode
         assert "bia:f32" in line, line
     pooling = ",".join(executed[kinds.index("pooling")])
     assert f"src:f32::blocked:{layout}:" in pooling, pooling
-    assert sum("binary_add" in ",".join(fields) for fields in layers + matrix_products) == additions
-    assert sum("eltwise_relu" in ",".join(fields) for fields in layers + matrix_products) == relus
+    assert sum("binary_add" in ",".join(fields) for fields in layers) == additions
+    assert sum("eltwise_relu" in ",".join(fields) for fields in layers) == relus
 
 
 def test_native_thread_count_follows_the_user_setting(monkeypatch):
