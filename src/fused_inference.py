@@ -123,19 +123,18 @@ def fold_batchnorm(conv: nn.Conv2d, bn: nn.BatchNorm2d) -> Tuple[np.ndarray, np.
     return weights.astype(np.float32), bias.astype(np.float32)
 
 
-class FusedLayer(nn.Cell):
-    """A convolution with its BatchNorm folded in: the weights, bias and weights key a native call reads, and the
-    convolution's stride and padding."""
+class FoldedLayer:
+    """A convolution with its BatchNorm folded in: the weights, bias and weights key a native call reads (Parameters
+    that the cell running the call holds), and the convolution's stride and padding."""
 
-    def __init__(self, conv: BlockedConv2d) -> None:
-        super().__init__()
+    def __init__(self, conv: BlockedConv2d, name: str) -> None:
         self.stride, self.padding = conv.blocked_stride, conv.blocked_padding
-        self.weight = ms.Parameter(ms.Tensor(np.zeros(conv.weight.shape, np.float32)), name="weight",
+        self.weight = ms.Parameter(ms.Tensor(np.zeros(conv.weight.shape, np.float32)), name=f"{name}.weight",
                                    requires_grad=False)
-        self.bias = ms.Parameter(ms.Tensor(np.zeros(conv.weight.shape[0], np.float32)), name="bias",
+        self.bias = ms.Parameter(ms.Tensor(np.zeros(conv.weight.shape[0], np.float32)), name=f"{name}.bias",
                                  requires_grad=False)
         self.layer = next(_layer_numbers)
-        self.weights_key = ms.Parameter(ms.Tensor(np.array([self.layer, 0], np.int64)), name="weights_key",
+        self.weights_key = ms.Parameter(ms.Tensor(np.array([self.layer, 0], np.int64)), name=f"{name}.weights_key",
                                         requires_grad=False)
 
     def load(self, conv: nn.Conv2d, bn: nn.BatchNorm2d, version: int) -> None:
@@ -145,58 +144,60 @@ class FusedLayer(nn.Cell):
         self.weights_key.set_data(ms.Tensor(np.array([self.layer, version], np.int64)))
 
 
-class FusedConv(FusedLayer):
-    """A FusedLayer in a native call of its own, with a post-op (None or Relu), from src_layout to dst_layout (the
+class FusedConv(nn.Cell):
+    """A FoldedLayer in a native call of its own, with a post-op (None or Relu), from src_layout to dst_layout (the
     stem's conv1; a block's layers run in the block's call)."""
 
     def __init__(self, conv: BlockedConv2d, post: str, src_layout: int, dst_layout: int) -> None:
-        super().__init__(conv)
-        self.op = _convolution_op(post, self.stride, self.padding, src_layout, dst_layout)
+        super().__init__()
+        self.folded = FoldedLayer(conv, "conv")
+        self.weight, self.weights_key, self.bias = self.folded.weight, self.folded.weights_key, self.folded.bias
+        self.op = _convolution_op(post, self.folded.stride, self.folded.padding, src_layout, dst_layout)
         self.layouts = _layouts(src_layout, dst_layout)
+
+    def load(self, conv: nn.Conv2d, bn: nn.BatchNorm2d, version: int) -> None:
+        self.folded.load(conv, bn, version)
 
     def construct(self, x):
         return self.op(x, self.weight, self.weights_key, self.layouts, self.bias)
 
 
 def _block_pairs(block: nn.Cell) -> List[Tuple[nn.Conv2d, nn.BatchNorm2d]]:
-    """(conv, bn) pairs of a block's main branch, in order."""
+    """(conv, bn) pairs of a block: its main branch's in order, then its downsample's if it has one."""
+    pairs = [(block.conv1, block.bn1), (block.conv2, block.bn2)]
     if isinstance(block, Bottleneck):
-        return [(block.conv1, block.bn1), (block.conv2, block.bn2), (block.conv3, block.bn3)]
-    return [(block.conv1, block.bn1), (block.conv2, block.bn2)]
+        pairs.append((block.conv3, block.bn3))
+    if block.downsample is not None:
+        pairs.append((block.downsample[0], block.downsample[1]))
+    return pairs
 
 
 class FusedBlock(nn.Cell):
     """A residual block: ReLU convolutions, then the one that adds the shortcut (itself a convolution or x); all
     activations in layout. The whole block runs in one native call (_block_op): a call per layer cost MindSpore's
-    launch of each op."""
+    launch of each op. Its layers' Parameters are the block's own, with no cell per layer: a graph cell's call
+    walks every cell under it before each run (about 2 microseconds a cell)."""
 
     def __init__(self, block: nn.Cell, layout: int) -> None:
         super().__init__()
-        pairs = _block_pairs(block)
-        self.convs = nn.CellList([FusedLayer(conv) for conv, _ in pairs[:-1]])
-        self.last = FusedLayer(pairs[-1][0])
+        self.folded = [FoldedLayer(conv, f"layer{number}") for number, (conv, _) in enumerate(_block_pairs(block))]
         self.has_downsample = block.downsample is not None
-        self.downsample = FusedLayer(block.downsample[0]) if self.has_downsample else None
-        layers = list(self.convs) + [self.last] + ([self.downsample] if self.has_downsample else [])
-        geometry = tuple((layer.stride, layer.padding) for layer in layers)
+        self.weights = ms.ParameterTuple([layer.weight for layer in self.folded])
+        self.weights_keys = ms.ParameterTuple([layer.weights_key for layer in self.folded])
+        self.biases = ms.ParameterTuple([layer.bias for layer in self.folded])
+        geometry = tuple((layer.stride, layer.padding) for layer in self.folded)
         self.op = _block_op(layout, geometry, self.has_downsample)
         self.layout = _layouts(layout)
         self.geometry = ms.Tensor(np.array([int(self.has_downsample), *itertools.chain(*geometry)], np.int64))
 
     def load(self, block: nn.Cell, version: int) -> None:
-        pairs = _block_pairs(block)
-        for fused, (conv, bn) in zip(list(self.convs) + [self.last], pairs):
-            fused.load(conv, bn, version)
-        if self.has_downsample:
-            self.downsample.load(block.downsample[0], block.downsample[1], version)
+        for folded, (conv, bn) in zip(self.folded, _block_pairs(block)):
+            folded.load(conv, bn, version)
 
     def construct(self, x):
         layers = ()
-        for conv in self.convs:
-            layers = layers + (conv.weight, conv.weights_key, conv.bias)
-        layers = layers + (self.last.weight, self.last.weights_key, self.last.bias)
-        if self.has_downsample:  # a constant: the graph keeps one path
-            layers = layers + (self.downsample.weight, self.downsample.weights_key, self.downsample.bias)
+        for i in range(len(self.weights)):  # a constant count: the graph unrolls it
+            layers = layers + (self.weights[i], self.weights_keys[i], self.biases[i])
         return self.op(x, self.layout, self.geometry, *layers)
 
 
