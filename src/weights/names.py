@@ -58,7 +58,7 @@ def mindspore_to_torch_name(name: str) -> str:
 
 OURS, TORCH, ZOO, MINDCV = "ours", "torch", "zoo", "mindcv"
 FORMAT_TITLES = {
-    OURS: "this project's MindSpore checkpoint",
+    OURS: "MindSpore checkpoint of this project",
     TORCH: "PyTorch/torchvision state_dict",
     ZOO: "MindSpore models-zoo ResNet checkpoint (official/cv/ResNet)",
     MINDCV: "mindcv ResNet checkpoint",
