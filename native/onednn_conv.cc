@@ -518,7 +518,7 @@ void FoldPixelPairs(const PixelPairs &pairs, const float *matrix_gradient, float
 // Primitive and layouts for one convolution shape and direction, created once.
 enum class PostOp { kNone, kRelu, kAddRelu };
 
-// Inference's matrix products of a batch with large weights (AVX-512 too: InferencePanelsUsable): (m, k) rows times
+// Inference's matrix products of a batch with large weights (AVX-512 too: PanelKernelsUsable): (m, k) rows times
 // (k, n) weights, plus a bias per column, then the post-op. oneDNN's only AVX2 matmul is its GEMM, which packs the
 // weights again at every call: (32 x 1024) x (1024 x 1024) products ran at 115-135 GFLOP/s on two threads, against
 // 160-175 here with the weights packed once per version (a standalone timing). The weights are kept as panels of 16
@@ -536,7 +536,7 @@ inline void PrefetchPanelRow(const float *panel, int64_t i) {  // past the panel
 }
 
 // Whether this machine and oneDNN's ISA in effect run the panels: AVX2 without AVX-512 (AVX-512 has oneDNN's
-// brgemm matmul on packed weights; only inference's products leave it there, InferencePanelsUsable), whole panels
+// brgemm matmul on packed weights; only inference's products leave it there, PanelKernelsUsable), whole panels
 // only.
 bool PanelsUsable(int64_t n) {
   return StepVectorBits() == 256 && __builtin_cpu_supports("fma") && n % kPanelColumns == 0;
@@ -607,6 +607,18 @@ __attribute__((target("avx2,fma"))) void PanelRows(const float *a, int64_t lda, 
   }
 }
 
+// The epilogue of row r's 16 columns from `column` on, with AVX-512: plus the bias (those columns' 16, loaded once
+// per row block), the residual row where there is one, then ReLU where asked.
+__attribute__((target("avx512f"), always_inline)) inline __m512 FinishRow512(__m512 sum, __m512 bias,
+                                                                             const PanelEpilogue &last, int64_t r,
+                                                                             int64_t column) {
+  sum = _mm512_add_ps(sum, bias);
+  if (last.residual != nullptr) {
+    sum = _mm512_add_ps(sum, _mm512_loadu_ps(last.residual + r * last.residual_stride + column));
+  }
+  return last.relu ? _mm512_max_ps(sum, _mm512_setzero_ps()) : sum;
+}
+
 // PanelRows with AVX-512: a panel's 16 columns are one vector, so a row takes one accumulator and 12 rows (of the
 // 32 registers) hide the FMAs' latency.
 template <int R, bool kColumns = false>
@@ -626,13 +638,7 @@ __attribute__((target("avx512f"))) void PanelRows512(const float *a, int64_t lda
   if (last != nullptr) {
     const __m512 bias = _mm512_loadu_ps(last->bias);
 #pragma GCC unroll 12
-    for (int r = 0; r < R; ++r) {
-      sums[r] = _mm512_add_ps(sums[r], bias);
-      if (last->residual != nullptr) {
-        sums[r] = _mm512_add_ps(sums[r], _mm512_loadu_ps(last->residual + r * last->residual_stride));
-      }
-      if (last->relu) sums[r] = _mm512_max_ps(sums[r], _mm512_setzero_ps());
-    }
+    for (int r = 0; r < R; ++r) sums[r] = FinishRow512(sums[r], bias, *last, r, 0);
   }
 #pragma GCC unroll 12
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(c + r * ldc, sums[r]);
@@ -645,12 +651,15 @@ bool PanelsAvx512() {
   return avx512;
 }
 
-// Whether inference's matrix products (MatrixPlan) run on the panels: with AVX2 (PanelsUsable), and with AVX-512,
-// where PanelMatmul takes two panels at a time. At 32x32 inputs they are (32 x K) x (K x N) products whose weights
-// come from memory (about 85 MB a pass); with 16 copies of the weights cycled, the paired panels ran ResNet-50's
-// four shapes there at 382-453 GFLOP/s, against 331-358 for oneDNN's matmul (its GEMM or brgemm), and at 482-495
-// against 453-485 with the weights in the L3 (a standalone timing, two threads).
-bool InferencePanelsUsable(int64_t n) { return PanelsUsable(n) || (PanelsAvx512() && n % kPanelColumns == 0); }
+// Whether the panels' kernels run here: AVX2 with FMA (PanelRows) or AVX-512 (PanelRows512, PanelPairRows512),
+// whole panels only. The Winograd layers' products and inference's matrix products (MatrixPlan) run on them wherever
+// they do; training's matrix products only without AVX-512 (PanelsUsable). At 32x32 inputs inference's products are
+// (32 x K) x (K x N) with weights from memory (about 85 MB a pass); with 16 copies of the weights cycled, AVX-512's
+// paired panels ran ResNet-50's four shapes at 382-453 GFLOP/s, against 331-358 for oneDNN's matmul (its GEMM or
+// brgemm), and at 482-495 against 453-485 with the weights in the L3 (a standalone timing, two threads).
+bool PanelKernelsUsable(int64_t n) {
+  return StepVectorBits() >= 256 && __builtin_cpu_supports("fma") && n % kPanelColumns == 0;
+}
 
 // Rows a call of PanelRowBlock takes at most: 12 with AVX-512, else kPanelRowBlock.
 int64_t PanelRowsAtOnce() { return PanelsAvx512() ? 12 : kPanelRowBlock; }
@@ -732,17 +741,8 @@ __attribute__((target("avx512f"))) void PanelPairRows512(const float *a, int64_t
     const __m512 bias = _mm512_loadu_ps(last->bias), next_bias = _mm512_loadu_ps(last->bias + kPanelColumns);
 #pragma GCC unroll 12
     for (int r = 0; r < R; ++r) {
-      left[r] = _mm512_add_ps(left[r], bias);
-      right[r] = _mm512_add_ps(right[r], next_bias);
-      if (last->residual != nullptr) {
-        const float *residual = last->residual + r * last->residual_stride;
-        left[r] = _mm512_add_ps(left[r], _mm512_loadu_ps(residual));
-        right[r] = _mm512_add_ps(right[r], _mm512_loadu_ps(residual + kPanelColumns));
-      }
-      if (last->relu) {
-        left[r] = _mm512_max_ps(left[r], _mm512_setzero_ps());
-        right[r] = _mm512_max_ps(right[r], _mm512_setzero_ps());
-      }
+      left[r] = FinishRow512(left[r], bias, *last, r, 0);
+      right[r] = FinishRow512(right[r], next_bias, *last, r, kPanelColumns);
     }
   }
 #pragma GCC unroll 12
@@ -788,21 +788,15 @@ void PanelColumnPair(int64_t p, int64_t m, int64_t k, int64_t n, const float *a,
 // pairs with AVX-512 where they pair up.
 void PanelMatmul(dnnl::threadpool_interop::threadpool_iface &pool, int64_t m, int64_t k, int64_t n, const float *a,
                  const float *panels, const float *bias, const float *residual, PostOp post, float *c) {
-  const int64_t count = n / kPanelColumns;
-  if (PanelsAvx512() && count % 2 == 0) {
-    const int64_t pairs = count / 2;
-    const int threads = static_cast<int>(std::min<int64_t>(pool.get_num_threads(), pairs));
-    pool.parallel_for(threads, [&](int thread, int) {
-      for (int64_t q = pairs * thread / threads; q < pairs * (thread + 1) / threads; ++q) {
-        PanelColumnPair(2 * q, m, k, n, a, panels, bias, residual, post, c);
-      }
-    });
-    return;
-  }
-  const int threads = static_cast<int>(std::min<int64_t>(pool.get_num_threads(), count));
+  const int64_t count = n / kPanelColumns, width = PanelsAvx512() && count % 2 == 0 ? 2 : 1, units = count / width;
+  const int threads = static_cast<int>(std::min<int64_t>(pool.get_num_threads(), units));
   pool.parallel_for(threads, [&](int thread, int) {
-    for (int64_t p = count * thread / threads; p < count * (thread + 1) / threads; ++p) {
-      PanelColumns(p, m, k, n, a, panels, bias, residual, post, c);
+    for (int64_t unit = units * thread / threads; unit < units * (thread + 1) / threads; ++unit) {
+      if (width == 2) {
+        PanelColumnPair(2 * unit, m, k, n, a, panels, bias, residual, post, c);
+      } else {
+        PanelColumns(unit, m, k, n, a, panels, bias, residual, post, c);
+      }
     }
   });
 }
@@ -941,12 +935,6 @@ struct WinogradShape {
   int64_t positions() const { return WinogradPositions(tile); }
 };
 
-// Whether the Winograd layers' products can run on the panels: with AVX2 and FMA, or with AVX-512 (PanelRows512),
-// unlike training's matrix products (PanelsUsable), which AVX-512 machines leave to oneDNN's brgemm matmul.
-bool WinogradPanelsUsable(int64_t n) {
-  return StepVectorBits() >= 256 && __builtin_cpu_supports("fma") && n % kPanelColumns == 0;
-}
-
 // Where the 8 channels [8 * group, 8 * group + 8) of `image` start in a map of `channels` channels held in blocks
 // of ChannelBlock() (AVX2's 8, or AVX-512's 16, of which a group is one half); its pixels are ChannelBlock()
 // floats apart. The Winograd transforms read and write 8 channels at a time either way.
@@ -958,7 +946,7 @@ int64_t GroupOffset(int64_t channels, int64_t height, int64_t width, int64_t ima
 // Whether a 3x3 stride-1 convolution with padding 1 from `in` to `out` channels on these maps, between channel
 // blocks, runs WinogradConvolution: whole channel blocks, whole panels of output channels, enough tiles.
 bool WinogradUsable(const WinogradShape &s) {
-  return s.in % ChannelBlock() == 0 && WinogradPanelsUsable(s.out) && s.tiles() >= kWinogradMinTiles;
+  return s.in % ChannelBlock() == 0 && PanelKernelsUsable(s.out) && s.tiles() >= kWinogradMinTiles;
 }
 
 // A 3x3 kernel's F(4x4, 3x3) transform G g G^T (6x6, by rows) from its taps by rows.
@@ -1353,7 +1341,7 @@ void WinogradConvolution(dnnl::threadpool_interop::threadpool_iface &pool, const
 // zeros outside the map), then adds, for each of the 16 positions, their product over the chunk's tiles into the
 // thread's (out, in) sums; the threads' sums are added and turned into 3x3 kernels at the end.
 bool WinogradWeightGradientUsable(const WinogradShape &s) {
-  return s.out % ChannelBlock() == 0 && WinogradPanelsUsable(s.in) && s.tiles() >= kWinogradMinTiles;
+  return s.out % ChannelBlock() == 0 && PanelKernelsUsable(s.in) && s.tiles() >= kWinogradMinTiles;
 }
 
 // Tiles [first, first + count) of dy: z (16, count, out) = A dY A^T of each 2x2 tile (zeros outside the map).
@@ -2524,12 +2512,12 @@ class InferenceRuntime {
   }
 
   // src (batch, k) times weights read through `source` (a (k, n) view of them), with bias (1, n) and the post-op,
-  // into dst (batch, n): PanelMatmul where InferencePanelsUsable, else oneDNN's matmul (nullopt where that is its
+  // into dst (batch, n): PanelMatmul where PanelKernelsUsable, else oneDNN's matmul (nullopt where that is its
   // reference one).
   std::optional<InferencePlan> MatrixPlan(PostOp post, const memory::desc &src, const memory::desc &source,
                                           const memory::desc &bias, const memory::desc &dst) {
     const memory::dim k = src.get_dims()[1], n = dst.get_dims()[1];
-    if (InferencePanelsUsable(n)) {
+    if (PanelKernelsUsable(n)) {
       InferencePlan plan{{}, src, PanelsDesc(k, n), bias, dst, {}, {}, PanelsView(source), 0};
       plan.panels = true;
       return plan;
