@@ -221,26 +221,35 @@ memory::desc TapAsInOut(memory::dim in, memory::dim out, memory::dim taps) {
   return memory::desc({in, out}, memory::data_type::f32, memory::dims{taps, in * taps});
 }
 
-// Weight gradients that training convolutions left in their kernel's own layout, by layer (Python numbers the
-// layers that may do so): the channel block B of an ABcd{B}b{B}a gradient, or 0 for plain OIHW. Writing it there
+// Weight gradients that training convolutions left in their kernel's own layout, by the address of the weights
+// they are the gradient of (the parameter's, which the update receives too): the channel block B of an
+// ABcd{B}b{B}a gradient, or 0 for plain OIHW. An address, not a number per layer: a network's repeated blocks may
+// run as one shared graph (ResNet's lazy_inline), whose constants are the first block's. Writing it there
 // saves reordering it to OIHW, a strided scatter that was the largest reorder of a training step; the native
 // optimizer update reads the gradient, takes the entry and puts the gradient in OIHW order itself, one block of
 // output channels at a time, in cache (UpdatePlan). Every other consumer of the gradients between the two
 // (clipping, unscaling, overflow checks) is element-wise or a global norm, which the order does not change.
 class GradientLayouts {
  public:
-  static void Record(int64_t layer, int block) {
+  static void Record(const void *weights, int block) {
     std::lock_guard<std::mutex> lock(Mutex());
-    Map()[layer] = block;
+    Map()[weights] = block;
   }
-  // The layer's entry, removed (0 where none): a step that did not write the gradient (a fallback) reads plain.
-  static int Take(int64_t layer) {
+  // The weights' entry, removed (0 where none): a step that did not write the gradient (a fallback) reads plain.
+  static int Take(const void *weights) {
     std::lock_guard<std::mutex> lock(Mutex());
-    auto found = Map().find(layer);
+    auto found = Map().find(weights);
     if (found == Map().end()) return 0;
     const int block = found->second;
     Map().erase(found);
     return block;
+  }
+  // Drops the entries no update took (gradients computed without one), so that weights allocated later at the
+  // same address can't take them. The update calls it after taking its own: a step's graph runs its backward and
+  // its update together.
+  static void Clear() {
+    std::lock_guard<std::mutex> lock(Mutex());
+    Map().clear();
   }
 
  private:
@@ -248,8 +257,8 @@ class GradientLayouts {
     static std::mutex mutex;
     return mutex;
   }
-  static std::unordered_map<int64_t, int> &Map() {
-    static std::unordered_map<int64_t, int> map;
+  static std::unordered_map<const void *, int> &Map() {
+    static std::unordered_map<const void *, int> map;
     return map;
   }
 };
@@ -1516,13 +1525,13 @@ class Runtime {
     stream_.wait();
   }
 
-  // The gradients of ConvBnForward's y: dx (in x's layout), dw (plain OIHW, or with gradient_layer >= 0 the
-  // kernel's layout where GradientLayouts allows it, recorded there), dgamma, dbeta, from dy (in y's layout)
-  // and the forward's conv_out, mean and variance. d_conv_out_result receives the convolution's output gradient,
-  // in channel blocks; with dx null the input gradient is left to ConvBnBackwardData (run only where it is used),
-  // which reads it there.
+  // The gradients of ConvBnForward's y: dx (in x's layout), dw (plain OIHW, or with kernel_layout_gradient the
+  // kernel's layout where GradientLayouts allows it, recorded there under weights), dgamma, dbeta, from dy (in y's
+  // layout) and the forward's conv_out, mean and variance. d_conv_out_result receives the convolution's output
+  // gradient, in channel blocks; with dx null the input gradient is left to ConvBnBackwardData (run only where it is
+  // used), which reads it there.
   void ConvBnBackward(const Shape &shape, float eps, bool x_blocked, bool y_blocked, bool relu,
-                      int64_t gradient_layer, void *dy, void *conv_out, void *mean, void *variance, void *gamma,
+                      bool kernel_layout_gradient, void *dy, void *conv_out, void *mean, void *variance, void *gamma,
                       void *x, void *weights, void *relu_mask, void *dx, void *dw, void *dgamma, void *dbeta,
                       void *d_conv_out_result) {
     auto lock = executor_.Begin();
@@ -1546,7 +1555,7 @@ class Runtime {
     if (relu) args.emplace(DNNL_ARG_WORKSPACE, memory(norm.workspace, engine_, relu_mask));
     norm.backward.execute(stream_, args);
     if (dx) DataGradient(shape, x_blocked, d_conv_out, weights, dx);
-    int block = 0;  // dw's layout: plain, or (gradient_layer >= 0) the kernel's ABcd{B}b{B}a where it is one
+    int block = 0;  // dw's layout: plain, or (kernel_layout_gradient) the kernel's ABcd{B}b{B}a where it is one
     if (const OnePixelPlan *pixel = GetOnePixelPlan(shape)) {
       OnePixelBackwardWeights(*pixel, d_conv_out.get_data_handle(), x, dw);
     } else if (const GatherPlan *gather = GetGatherPlan(shape, x_desc)) {
@@ -1566,13 +1575,13 @@ class Runtime {
     } else {
       // As Run computes it, but from d_conv_out, which is already blocked.
       const Plan &filter = GetPlan(Direction::kBackwardWeights, shape);
-      if (gradient_layer >= 0) block = KernelLayoutBlock(filter.result_desc, shape.weights);
+      if (kernel_layout_gradient) block = KernelLayoutBlock(filter.result_desc, shape.weights);
       Execute(filter, ToLayout(d_conv_out, filter.first_desc, &buffers_[0]),
               ToLayout(memory(x_desc, engine_, x), filter.second_desc, &buffers_[1]),
               block ? filter.result_desc : w_plain, dw);
     }
     stream_.wait();
-    if (gradient_layer >= 0) GradientLayouts::Record(gradient_layer, block);
+    if (kernel_layout_gradient) GradientLayouts::Record(weights, block);
   }
 
   // ConvBnBackward's deferred input gradient: dx (in x's layout) from its d_conv_out_result.
@@ -2600,30 +2609,25 @@ int Launch(Direction direction, int stride, int padding, int nparam, void **para
   return Guarded("onednn_conv", [&] { Runtime::Get().Run(direction, shape, first, second, params[nparam - 1]); });
 }
 
-// (x blocked, y blocked, the weight gradient's layer) from the training ops' layouts tensor of `count` numbers
-// (int64: x's and y's layout, 0 plain NCHW, 1 channel blocks; then the layer number under which the weight
-// gradient may come in the kernel's layout, -1 for plain: see GradientLayouts), checked against the tensors'
+// (x blocked, y blocked, the weight gradient in the kernel's layout, ReLU) from the training ops' layouts tensor of
+// `count` numbers (int64, each 0 or 1: x's and y's layout, 0 plain NCHW, 1 channel blocks; 1 where the weight
+// gradient may come in the kernel's layout, see GradientLayouts; 1 for the ReLU), checked against the tensors'
 // channels; false (with a message) when it can't be used.
 bool ReadTrainingLayouts(const char *what, const int64_t *layouts, int64_t count, const Shape &shape, bool *x_blocked,
-                         bool *y_blocked, int64_t *gradient_layer, bool *relu) {
+                         bool *y_blocked, bool *kernel_layout_gradient, bool *relu) {
   if (count != 4) {
-    std::fprintf(stderr,
-                 "%s: the layouts (x's, y's, the weight gradient's layer, ReLU) must be 4 numbers, got %lld\n", what,
-                 static_cast<long long>(count));
+    std::fprintf(stderr, "%s: the layouts (x's, y's, the weight gradient's, ReLU) must be 4 numbers, got %lld\n",
+                 what, static_cast<long long>(count));
     return false;
   }
-  for (int i : {0, 1, 3}) {
+  for (int i = 0; i < 4; ++i) {
     if (layouts[i] != 0 && layouts[i] != 1) {
       std::fprintf(stderr, "%s: layout entry %lld is neither 0 nor 1\n", what, static_cast<long long>(layouts[i]));
       return false;
     }
   }
-  if (layouts[2] < -1) {
-    std::fprintf(stderr, "%s: the weight gradient's layer %lld is neither -1 (plain) nor a layer number\n", what,
-                 static_cast<long long>(layouts[2]));
-    return false;
-  }
-  *x_blocked = layouts[0] == 1, *y_blocked = layouts[1] == 1, *gradient_layer = layouts[2], *relu = layouts[3] == 1;
+  *x_blocked = layouts[0] == 1, *y_blocked = layouts[1] == 1, *kernel_layout_gradient = layouts[2] == 1;
+  *relu = layouts[3] == 1;
   if (*x_blocked && shape.src[1] % ChannelBlock() != 0) {
     std::fprintf(stderr, "%s: a blocked input needs channels in multiples of %d, got %lld\n", what, ChannelBlock(),
                  static_cast<long long>(shape.src[1]));
@@ -2653,7 +2657,7 @@ bool CheckReluMask(const char *what, const memory::dims &dst, int64_t bytes) {
 }
 
 // params: x, weights, gamma, beta, moving mean, moving variance, (eps, momentum), layouts (int64: x's, y's, the
-// weight gradient's layer, ReLU; see ReadTrainingLayouts), then
+// weight gradient's, ReLU; see ReadTrainingLayouts), then
 // the outputs y, conv_out, batch mean, batch variance (biased), new moving mean, new moving variance, and (uint8,
 // 1-d) the ReLU's mask for the gradient (onednn_conv_relu_mask_bytes long, unused without ReLU); all float32
 // but layouts. The moving statistics are updated as nn.BatchNorm2d updates them (momentum: the batch's weight; the
@@ -2675,10 +2679,9 @@ int LaunchConvBnForward(int stride, int padding, int nparam, void **params, int 
                  static_cast<long long>(shapes[7][0]));
     return 1;
   }
-  bool x_blocked, y_blocked, relu;
-  int64_t gradient_layer;
+  bool x_blocked, y_blocked, kernel_layout_gradient, relu;
   if (!ReadTrainingLayouts(what, static_cast<const int64_t *>(params[7]), shapes[7][0], shape, &x_blocked,
-                           &y_blocked, &gradient_layer, &relu) ||
+                           &y_blocked, &kernel_layout_gradient, &relu) ||
       !CheckReluMask(what, shape.dst, shapes[14][0])) {
     return 1;
   }
@@ -2714,17 +2717,16 @@ int LaunchConvBnBackward(bool defer_input, int stride, int padding, int nparam, 
                                        "float32", "float32", "float32", "float32", "float32"};
   if (!CheckTensors(what, nparam, defer_input ? 14 : 15, ndims, dtypes, wanted_ndims, wanted_dtypes)) return 1;
   Shape shape{Dims(shapes[7]), Dims(shapes[8]), Dims(shapes[0]), {stride, stride}, {padding, padding}};
-  bool x_blocked, y_blocked, relu;
-  int64_t gradient_layer;
+  bool x_blocked, y_blocked, kernel_layout_gradient, relu;
   if (!ReadTrainingLayouts(what, static_cast<const int64_t *>(params[6]), shapes[6][0], shape, &x_blocked,
-                           &y_blocked, &gradient_layer, &relu) ||
+                           &y_blocked, &kernel_layout_gradient, &relu) ||
       !CheckReluMask(what, shape.dst, shapes[9][0])) {
     return 1;
   }
   const float eps = *static_cast<const float *>(params[5]);
   return Guarded(what, [&] {
-    Runtime::Get().ConvBnBackward(shape, eps, x_blocked, y_blocked, relu, gradient_layer, params[0], params[1],
-                                  params[2], params[3], params[4], params[7], params[8], params[9],
+    Runtime::Get().ConvBnBackward(shape, eps, x_blocked, y_blocked, relu, kernel_layout_gradient, params[0],
+                                  params[1], params[2], params[3], params[4], params[7], params[8], params[9],
                                   defer_input ? nullptr : params[10], params[11], params[12], params[13],
                                   defer_input ? params[10] : params[14]);
   });
@@ -2740,10 +2742,9 @@ int LaunchConvBnBackwardData(int stride, int padding, int nparam, void **params,
   const char *const wanted_dtypes[] = {"float32", "float32", "int64", "float32", "float32"};
   if (!CheckTensors(what, nparam, 5, ndims, dtypes, wanted_ndims, wanted_dtypes)) return 1;
   Shape shape{Dims(shapes[3]), Dims(shapes[1]), Dims(shapes[0]), {stride, stride}, {padding, padding}};
-  bool x_blocked, y_blocked, relu;
-  int64_t gradient_layer;
+  bool x_blocked, y_blocked, kernel_layout_gradient, relu;
   if (!ReadTrainingLayouts(what, static_cast<const int64_t *>(params[2]), shapes[2][0], shape, &x_blocked,
-                           &y_blocked, &gradient_layer, &relu)) {
+                           &y_blocked, &kernel_layout_gradient, &relu)) {
     return 1;
   }
   return Guarded(what, [&] { Runtime::Get().ConvBnBackwardData(shape, x_blocked, params[0], params[1], params[4]); });
@@ -3039,7 +3040,8 @@ void BlockToRows(int block, const float *src, float *dst, int64_t in_channels, i
 }
 
 // An optimizer update's inputs: `scalars` float32 values (one each), the decays (float32, one per parameter), the
-// gradients' layers (int64, one per parameter: the GradientLayouts entry to take, -1 for none), then `parts` lists
+// gradients' layouts (int64, one per parameter: 1 where its gradient may come in a kernel's layout, to take from
+// GradientLayouts, else 0), then `parts` lists
 // of n float32 tensors (weights first, the gradients last, the state between, each the weight's size), then the
 // output (float32 [1]). Checks them and splits the work into chunks small enough to balance two or more threads
 // and large enough to stream; a gradient in a kernel's layout is read one block of output channels at a time.
@@ -3061,7 +3063,8 @@ struct UpdatePlan {
             const char **dtypes, void **params) {
     const int tensors = nparam - scalars - 3;
     if (tensors <= 0 || tensors % parts != 0) {
-      std::fprintf(stderr, "%s: expected %d scalars, decays, layers, %d x n tensors and an output, got %d tensors\n",
+      std::fprintf(stderr,
+                   "%s: expected %d scalars, decays, gradient layouts, %d x n tensors and an output, got %d tensors\n",
                    what, scalars, parts, nparam);
       return false;
     }
@@ -3086,12 +3089,12 @@ struct UpdatePlan {
       }
     }
     if (elements(scalars) != n || elements(scalars + 1) != n) {
-      std::fprintf(stderr, "%s: decays and layers must hold %d values each, got %lld and %lld\n", what, n,
+      std::fprintf(stderr, "%s: decays and gradient layouts must hold %d values each, got %lld and %lld\n", what, n,
                    static_cast<long long>(elements(scalars)), static_cast<long long>(elements(scalars + 1)));
       return false;
     }
     decays = static_cast<const float *>(params[scalars]);
-    const auto *layers = static_cast<const int64_t *>(params[scalars + 1]);
+    const auto *kernel_layouts = static_cast<const int64_t *>(params[scalars + 1]);
     const int first_weight = scalars + 2;
     gradients = reinterpret_cast<const float *const *>(params + first_weight + (parts - 1) * n);
     sizes.resize(n), blocks.assign(n, 0), in_channels.assign(n, 0), taps.assign(n, 0);
@@ -3103,7 +3106,7 @@ struct UpdatePlan {
           return false;
         }
       }
-      const int block = layers[k] >= 0 ? GradientLayouts::Take(layers[k]) : 0;
+      const int block = kernel_layouts[k] == 1 ? GradientLayouts::Take(params[first_weight + k]) : 0;
       const int64_t *shape = shapes[first_weight + k];
       if (block && (ndims[first_weight + k] != 4 || shape[0] % block != 0 || shape[1] % block != 0)) {
         std::fprintf(stderr, "%s: parameter %d's gradient came in channel blocks of %d, which its shape can't hold\n",
@@ -3112,6 +3115,7 @@ struct UpdatePlan {
       }
       if (block) blocks[k] = block, in_channels[k] = shape[1], taps[k] = shape[2] * shape[3];
     }
+    GradientLayouts::Clear();
     for (int k = 0; k < n; ++k) {
       const int64_t step = blocks[k] ? blocks[k] * in_channels[k] * taps[k] : kChunkElements;
       for (int64_t first = 0; first < sizes[k]; first += step) {
@@ -3149,8 +3153,8 @@ float Scalar(void **params, int i) { return *static_cast<const float *>(params[i
 // Adam with L2 weight decay over every parameter in one pass, in place: what MindSpore's nn.Adam computes with
 // its decay (gradient + decay * weight, an addition and a multiplication per parameter, each a pass over memory)
 // before its Adam kernel, as one read of weight, gradient and moments and one write of weight and moments.
-// params: lr, beta1, beta2, eps, beta1_power, beta2_power (the powers after this step's update), decays, layers,
-// then n weights, n first moments, n second moments, n gradients, then the output (set to 0).
+// params: lr, beta1, beta2, eps, beta1_power, beta2_power (the powers after this step's update), decays, gradient
+// layouts, then n weights, n first moments, n second moments, n gradients, then the output (set to 0).
 int LaunchAdamUpdate(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes) {
   const char *what = "onednn_conv adam update";
   constexpr int kScalars = 6, kParts = 4;
@@ -3193,8 +3197,8 @@ int LaunchElementwise(const char *what, Pass pass, int nparam, void **params, in
 
 // Momentum SGD with L2 weight decay in one pass, in place: nn.Momentum's decay and ApplyMomentum (nesterov
 // false), or nn.SGD's decay and SGD kernel with nesterov (and its per-element first-step flags, stat).
-// params: lr, momentum, decays, layers, then n weights, n accumulators, (nesterov: n stat tensors,) n gradients,
-// output.
+// params: lr, momentum, decays, gradient layouts, then n weights, n accumulators, (nesterov: n stat tensors,) n
+// gradients, output.
 int LaunchMomentumUpdate(bool nesterov, int nparam, void **params, int *ndims, int64_t **shapes,
                          const char **dtypes) {
   const char *what = nesterov ? "onednn_conv nesterov sgd update" : "onednn_conv momentum update";

@@ -7,7 +7,6 @@ NativeMomentum and NativeNesterovSGD are nn.Adam, nn.Momentum and nn.SGD(nestero
 step counters, so checkpoints and resuming are the same) whose update is one of native/onednn_conv.cc's AdamUpdate,
 MomentumUpdate and NesterovSgdUpdate: decay, state and weights in one read and one write.
 """
-import itertools
 from typing import Sequence, Tuple
 
 import mindspore as ms
@@ -15,11 +14,6 @@ import numpy as np
 from mindspore import nn, ops
 
 from src.onednn_conv import BlockedConv2d, usable_library
-
-# Numbers for the layers whose weight gradients may come in their kernel's layout: unique in the process, as the
-# native library keeps one table of them.
-_gradient_layer_numbers = itertools.count(0)
-
 
 def _update_shape(*shapes):
     return (1,)
@@ -30,7 +24,7 @@ def _update_dtype(*dtypes):
 
 
 def _native_update(optimizer: nn.Optimizer, kernel: str) -> Tuple[ms.Tensor, ms.Tensor, ops.Custom]:
-    """The decays and the gradients' layers (-1 each: plain; see gradients_in_kernel_layout), one per parameter, and
+    """The decays and the gradients' layouts (0 each: plain; see gradients_in_kernel_layout), one per parameter, and
     the native update op for an optimizer whose groups differ only in a fixed weight_decay, over float32
     parameters, without loss scale or gradient centralization."""
     name = type(optimizer).__name__
@@ -43,8 +37,8 @@ def _native_update(optimizer: nn.Optimizer, kernel: str) -> Tuple[ms.Tensor, ms.
     decays = optimizer.group_weight_decay if optimizer.is_group else [optimizer.weight_decay] * len(
         optimizer._parameters)
     update = ops.Custom(f"{usable_library()}:{kernel}", _update_shape, _update_dtype, func_type="aot")
-    layers = ms.Tensor(np.full(len(decays), -1, np.int64))
-    return ms.Tensor(np.array(decays, np.float32)), layers, update
+    layouts = ms.Tensor(np.zeros(len(decays), np.int64))
+    return ms.Tensor(np.array(decays, np.float32)), layouts, update
 
 
 def gradients_in_kernel_layout(net: nn.Cell, optimizer: nn.Optimizer) -> int:
@@ -57,14 +51,14 @@ def gradients_in_kernel_layout(net: nn.Cell, optimizer: nn.Optimizer) -> int:
     if not isinstance(optimizer, NATIVE_OPTIMIZERS):
         raise ValueError(f"gradients_in_kernel_layout needs a native optimizer, got {type(optimizer).__name__}")
     index = {param.name: k for k, param in enumerate(optimizer._parameters)}
-    layers = optimizer.gradient_layers.asnumpy()
+    layouts = optimizer.gradient_layouts.asnumpy()
     count = 0
     for _, cell in net.cells_and_names():
         if isinstance(cell, BlockedConv2d) and cell.runs_batchnorm_itself() and cell.weight.name in index:
-            cell.gradient_layer = next(_gradient_layer_numbers)
-            layers[index[cell.weight.name]] = cell.gradient_layer
+            cell.kernel_layout_gradient = True
+            layouts[index[cell.weight.name]] = 1
             count += 1
-    optimizer.gradient_layers = ms.Tensor(layers)
+    optimizer.gradient_layouts = ms.Tensor(layouts)
     return count
 
 
@@ -75,7 +69,7 @@ class NativeAdam(nn.Adam):
     def __init__(self, params: Sequence, learning_rate, beta1: float = 0.9, beta2: float = 0.999,
                  eps: float = 1e-8) -> None:
         super().__init__(params, learning_rate=learning_rate, beta1=beta1, beta2=beta2, eps=eps)
-        self.decays, self.gradient_layers, self.update = _native_update(self, "AdamUpdate")
+        self.decays, self.gradient_layouts, self.update = _native_update(self, "AdamUpdate")
 
     def construct(self, gradients):
         lr = self.get_lr()
@@ -84,7 +78,7 @@ class NativeAdam(nn.Adam):
         beta2_power = self.beta2_power * self.beta2
         self.beta2_power = beta2_power
         done = self.update(lr, self.beta1, self.beta2, self.eps, beta1_power, beta2_power, self.decays,
-                           self.gradient_layers, *self._parameters, *self.moment1, *self.moment2, *gradients)
+                           self.gradient_layouts, *self._parameters, *self.moment1, *self.moment2, *gradients)
         # The update writes the weights where they lie, which MindSpore's ordering of side effects does not see:
         # the step counter's assignment waits for it, so whatever reads the weights after the optimizer (EMA,
         # the next step) comes after the update.
@@ -98,10 +92,10 @@ class NativeMomentum(nn.Momentum):
 
     def __init__(self, params: Sequence, learning_rate, momentum: float) -> None:
         super().__init__(params, learning_rate=learning_rate, momentum=momentum)
-        self.decays, self.gradient_layers, self.update = _native_update(self, "MomentumUpdate")
+        self.decays, self.gradient_layouts, self.update = _native_update(self, "MomentumUpdate")
 
     def construct(self, gradients):
-        done = self.update(self.get_lr(), self.momentum, self.decays, self.gradient_layers, *self.params,
+        done = self.update(self.get_lr(), self.momentum, self.decays, self.gradient_layouts, *self.params,
                            *self.moments, *gradients)
         self.assignadd(self.global_step, ops.depend(self.global_step_increase_tensor, done))  # as NativeAdam's
         return done
@@ -114,10 +108,10 @@ class NativeNesterovSGD(nn.SGD):
 
     def __init__(self, params: Sequence, learning_rate, momentum: float) -> None:
         super().__init__(params, learning_rate=learning_rate, momentum=momentum, nesterov=True)
-        self.decays, self.gradient_layers, self.update = _native_update(self, "NesterovSgdUpdate")
+        self.decays, self.gradient_layouts, self.update = _native_update(self, "NesterovSgdUpdate")
 
     def construct(self, gradients):
-        done = self.update(self.get_lr(), self.momentum, self.decays, self.gradient_layers, *self._parameters,
+        done = self.update(self.get_lr(), self.momentum, self.decays, self.gradient_layouts, *self._parameters,
                            *self.accum, *self.stat, *gradients)
         self.assignadd(self.global_step, ops.depend(self.global_step_increase_tensor, done))  # as NativeAdam's
         return done

@@ -160,10 +160,10 @@ def relu_mask_bytes(y_shape: Tuple[int, int, int, int]) -> int:
 def _conv_batchnorm_op(stride: int, padding: int, defer_input_gradient: bool = False) -> ops.Custom:
     """Convolution then BatchNorm on the batch's statistics in one native call (training), and a ReLU where the
     layouts say so, with its gradient op as bprop: (x, weight, gamma, beta, moving mean, moving variance, (eps,
-    momentum), layouts (x's, y's: PLAIN or BLOCKED; the weight gradient's layer: BlockedConv2d.gradient_layer; 1 for
-    the ReLU, else 0)) -> (y, the convolution's output in channel blocks, kept for the gradient, batch mean, batch
-    variance (biased), new moving mean, new moving variance, the ReLU's mask for the gradient: uint8, a bit a
-    number, unused without the ReLU).
+    momentum), layouts (x's, y's: PLAIN or BLOCKED; the weight gradient's: 1 where it may come in the kernel's layout,
+    BlockedConv2d.kernel_layout_gradient; 1 for the ReLU, else 0)) -> (y, the convolution's output in channel
+    blocks, kept for the gradient, batch mean, batch variance (biased), new moving mean, new moving variance, the
+    ReLU's mask for the gradient: uint8, a bit a number, unused without the ReLU).
     The gradient of x comes in x's layout.
 
     defer_input_gradient: the gradient of x is a native call of its own, so that the graph drops it where nothing
@@ -370,9 +370,9 @@ class BlockedConv2d(nn.Conv2d):
         fusable = supported and not self.has_bias and self.out_channels % channel_block() == 0
         self.batchnorm_op = _conv_batchnorm_op(stride[0], padding) if fusable else None
         self.blocked_stride, self.blocked_padding = stride[0], padding  # what the native ops are told
-        # -1: the weight gradient comes in plain OIHW. A layer number (see gradients_in_kernel_layout): it may come in
-        # the convolution kernel's own layout, for a native optimizer update that reads it there.
-        self.gradient_layer = -1
+        # False: the weight gradient comes in plain OIHW. True (see gradients_in_kernel_layout): it may come in the
+        # convolution kernel's own layout, for a native optimizer update that reads it there.
+        self.kernel_layout_gradient = False
 
     @staticmethod
     def channel_block_cells() -> Tuple[ChannelBlocks, ChannelBlocks]:
@@ -412,7 +412,7 @@ class BlockedConv2d(nn.Conv2d):
             y = bn(self.construct(x))
             return ops.relu(y) if relu else y
         constants = ms.Tensor([bn.eps, bn.momentum], ms.float32)
-        layouts = ms.Tensor([x_layout, y_layout, self.gradient_layer, int(relu)], ms.int64)
+        layouts = ms.Tensor([x_layout, y_layout, int(self.kernel_layout_gradient), int(relu)], ms.int64)
         y, _, _, _, moving_mean, moving_variance, _ = self.batchnorm_op(x, self.weight, bn.gamma, bn.beta,
                                                                         bn.moving_mean, bn.moving_variance,
                                                                         constants, layouts)
