@@ -1,4 +1,5 @@
 """End to end through train.py and eval.py on generated data at 32x32: outputs, resume, signals, refusals."""
+import importlib.metadata
 import json
 import re
 import signal
@@ -67,6 +68,22 @@ def test_a_glog_level_the_user_sets_is_kept():
         process = subprocess.run([sys.executable, "-c", show], cwd=REPO, env=script_env(env), capture_output=True,
                                  text=True, timeout=60)
         assert process.stdout.strip() == expected, process.stderr
+
+
+def test_src_keeps_triton_out_of_mindspore_and_torch_runs_without_it():
+    """MindSpore imports triton wherever it is installed (torch installs it); importing src first keeps it out
+    (src/__init__.py), and torch, imported after, still runs. A program that imported triton first keeps it."""
+    try:
+        importlib.metadata.version("triton")
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("triton is not installed: nothing to keep out")
+    checks = {"import sys, src, mindspore, torch; print(sys.modules['triton'] is None, int(torch.ones(3).sum()))":
+              "True 3",
+              "import sys, triton, src, mindspore; print(sys.modules['triton'] is None)": "False"}
+    for code, expected in checks.items():
+        process = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=script_env(), capture_output=True,
+                                 text=True, timeout=120)
+        assert process.stdout.strip() == expected, process.stderr[-3000:]
 
 
 @pytest.mark.slow
