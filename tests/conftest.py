@@ -40,8 +40,18 @@ def give_freed_memory_back():
     """After each module, hands the memory its tests freed back to the system. glibc keeps freed blocks in its
     per-thread arenas, and MindSpore's many threads spread them over many: without this a test process holds
     what its biggest module ever used (5 GB after test_checkpoint_formats, 1.3 GB after trimming), next to the
-    other process's and the launchers' workers."""
+    other process's and the launchers' workers.
+
+    MindSpore 2.10 memoises the argument counts of each function it compiles in graph mode (an lru_cache of up to
+    4096 functions in mindspore/graph/api.py), which keeps every such function alive, and through a closure the
+    cells it uses: ms.grad of a test's closure (test_onednn_conv) kept its convolutions to the interpreter's
+    shutdown, where their Cell.__del__ found MindSpore's module globals already None and printed a few hundred
+    'Exception ignored' lines. Cleared here (the counts are recomputed on demand), they are freed with the rest."""
     yield
+    api = sys.modules.get("mindspore.graph.api")  # a module that never imported MindSpore does not import it here
+    arguments_cache = getattr(api, "_get_func_args_info_cached", None)
+    if hasattr(arguments_cache, "cache_clear"):  # gone in another MindSpore: nothing to clear
+        arguments_cache.cache_clear()
     gc.collect()
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
