@@ -913,18 +913,18 @@ void SmallMatmul(dnnl::threadpool_interop::threadpool_iface &pool, SmallProduct 
 }
 
 // 3x3 stride-1 convolutions (padding 1) on AVX2's 8-channel blocks, in inference and for training's gradients
-// (TrainingWinograd): Winograd's F(2x2, 3x3), which computes each 2x2 output tile from a 4x4 input tile with 16
-// products per input-output channel pair instead of 36. Each tile's input is transformed (B^T d B), the 16 transformed
-// positions are multiplied by the transformed weights (U = G g G^T, 16 sets of panels) with PanelRows, and each tile's
-// 16 results are transformed back (A^T m A), with the bias, the residual and the ReLU. Tiles go in chunks whose
-// transformed inputs and products stay in L2, each thread taking whole chunks. oneDNN's AVX2 build has no Winograd
-// kernel (oneDNN's are AVX-512 code). Standalone, on ResNet-50's 3x3 layers at batch 32: 1.4x (56x56, 64 channels) to
-// 2.1x (14x14, 256) oneDNN's direct convolution, the results within 1e-5 of its.
-// Inference runs F(4x4, 3x3) where the map has enough tiles for it: 4x4 output tiles from 6x6 input tiles, 36
-// products for 16 outputs (2.25 per output against F(2x2, 3x3)'s 4). Its rounding error is larger, which is why
-// training's gradients keep F(2x2, 3x3) (their parity tests compare against float64 torch). With AVX-512 the
-// inference runs these layers too: F(4x4, 3x3)'s transforms take whole 16-channel blocks, F(2x2, 3x3)'s read them
-// as two halves, and the products run in PanelRows512 and PanelPairRows512.
+// (TrainingWinograd; with AVX-512, the input gradient only): Winograd's F(2x2, 3x3), which computes each 2x2 output
+// tile from a 4x4 input tile with 16 products per input-output channel pair instead of 36. Each tile's input is
+// transformed (B^T d B), the 16 transformed positions are multiplied by the transformed weights (U = G g G^T, 16 sets
+// of panels) with PanelRows, and each tile's 16 results are transformed back (A^T m A), with the bias, the residual and
+// the ReLU. Tiles go in chunks whose transformed inputs and products stay in L2, each thread taking whole chunks.
+// oneDNN's AVX2 build has no Winograd kernel (oneDNN's are AVX-512 code). Standalone, on ResNet-50's 3x3 layers at
+// batch 32: 1.4x (56x56, 64 channels) to 2.1x (14x14, 256) oneDNN's direct convolution, the results within 1e-5 of its.
+// Inference runs F(4x4, 3x3) where the map has enough tiles for it: 4x4 output tiles from 6x6 input tiles, 36 products
+// for 16 outputs (2.25 per output against F(2x2, 3x3)'s 4). Its rounding error is larger, which is why training's
+// gradients keep F(2x2, 3x3) (their parity tests compare against float64 torch). With AVX-512 the inference runs these
+// layers too: F(4x4, 3x3)'s transforms take whole 16-channel blocks, F(2x2, 3x3)'s read them as two halves, and the
+// products run in PanelRows512 and PanelPairRows512.
 constexpr int kWinogradBlock = 8, kWinogradPositions = 16;  // F(2x2, 3x3)'s; WinogradShape::positions() in general
 constexpr int64_t kWinogradChunkBytes = 300 * 1024;  // a chunk's transformed input and products, per thread
 constexpr int64_t kWinogradStreamedWeights = 16 << 20;  // transformed weights past half a 32 MB L3
@@ -1726,9 +1726,9 @@ class Runtime {
     }
     const WinogradShape winograd = weight_gradient ? WinogradShape{src[0], w[1], w[0], src[2], src[3]}
                                                    : WinogradShape{src[0], w[0], w[1], src[2], src[3]};
-    // On AVX-512's 16-channel blocks oneDNN's direct gradients keep up (1.004x with these, AVX-512 panels and all,
-    // at 224x224 on a Zen 5), so training keeps them there, and its numerics.
-    if (ChannelBlock() != kWinogradBlock) return std::nullopt;
+    // On AVX-512's 16-channel blocks the weight gradient stays oneDNN's direct one: with both gradients as Winograd
+    // the step was level (1.004x at 224x224 on a Zen 5), with the input gradient alone it was 1.05x (an Intel Xeon).
+    if (weight_gradient && ChannelBlock() != kWinogradBlock) return std::nullopt;
     if (!(weight_gradient ? WinogradWeightGradientUsable(winograd) : WinogradUsable(winograd))) return std::nullopt;
     return winograd;
   }

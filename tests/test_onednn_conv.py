@@ -135,8 +135,9 @@ def test_oneDNN_runs_training_batchnorm_on_the_convolutions_blocked_output(isa):
     runs GEMM either). At 32x32 layer4's seven one-pixel convolutions (1x1 input and output) run as three matrix
     products each, on the plain weights, and so do its two stride-2 ones (a 2x2 input into one pixel), on the
     gathered input pixels and taps, and layer3's five 3x3 stride-1 ones on 2x2 maps, on weights expanded per pair
-    of pixels; on AVX2 the gradients of the 3x3 stride-1 layers on large enough maps run natively, and so do those
-    products' forward and input gradient. The images' gradient is not computed."""
+    of pixels; the input gradients of the 3x3 stride-1 layers on large enough maps run natively (Winograd), and on
+    AVX2 their weight gradients too, and so do those products' forward and input gradient. The images' gradient is
+    not computed."""
     block = native_channel_block(isa)
     log = onednn_exec_log(["-c", TRAIN_VERBOSE_SCRIPT], isa)
     norms = [fields for fields in log if fields[5] == "batch_normalization"]
@@ -145,12 +146,13 @@ def test_oneDNN_runs_training_batchnorm_on_the_convolutions_blocked_output(isa):
         assert "ref" not in fields[6] and f"blocked:aBcd{block}b:" in fields[8], fields
     convolutions = [fields for fields in log if fields[5] == "convolution"]
     kinds = sorted(fields[7] for fields in convolutions)
-    # No backward_data for the stem: nothing uses the images' gradient, so the graph drops its native call. On
-    # AVX2 layer1's three 3x3 stride-1 layers (8x8 maps: 32 tiles of 2x2 at batch 2) run their two gradients natively
-    # (Winograd); their forward stays oneDNN's, and so do layer2's (4x4 maps: 8 tiles).
-    winograd = WINOGRAD_TRAINING_LAYERS if block == 8 else 0
-    assert kinds == (["backward_data"] * (38 - winograd) + ["backward_weights"] * (39 - winograd)
-                     + ["forward_training"] * 39)
+    # No backward_data for the stem: nothing uses the images' gradient, so the graph drops its native call.
+    # layer1's three 3x3 stride-1 layers (8x8 maps: 32 tiles of 2x2 at batch 2) run their input gradient natively
+    # (Winograd), and on AVX2 their weight gradient too; their forward stays oneDNN's, and so do layer2's (4x4 maps:
+    # 8 tiles).
+    weight_gradients = WINOGRAD_TRAINING_LAYERS if block == 8 else 0
+    assert kinds == (["backward_data"] * (38 - WINOGRAD_TRAINING_LAYERS)
+                     + ["backward_weights"] * (39 - weight_gradients) + ["forward_training"] * 39)
     for fields in convolutions:
         assert "ref" not in fields[6] and (block == 8 or "gemm" not in fields[6]), fields
         assert not re.search(r"oh1k.*ow1k", fields[-2]), fields  # one-pixel outputs are matrix products
@@ -257,8 +259,8 @@ def conv_batchnorm_results(conv: nn.Conv2d, bn: nn.BatchNorm2d, x: np.ndarray, u
 
 # Cases of the fused convolution + BatchNorm on channel blocks. h 2 at stride 1 and padding 1: every output pixel
 # meets every input pixel (layer3 at 32x32), a matrix product of the whole input with weights expanded per pixel pair.
-# 3x3 stride-1 layers' gradients on larger maps run Winograd's F(2x2, 3x3) on AVX2; h 7 cuts its last 2x2 tiles,
-# and 32 -> 48 channels gives the input gradient other panels than the weight gradient.
+# 3x3 stride-1 layers' gradients on larger maps run Winograd's F(2x2, 3x3) (with AVX-512 the input gradient only);
+# h 7 cuts its last 2x2 tiles, and 32 -> 48 channels gives the input gradient other panels than the weight gradient.
 BLOCKED_CASES = [(64, 64, 3, 1, 1, 8), (64, 128, 3, 1, 1, 2), (256, 256, 3, 1, 1, 2), (128, 128, 3, 2, 1, 4),
                  (256, 1024, 1, 1, 0, 2), (32, 48, 3, 1, 1, 7)]
 
