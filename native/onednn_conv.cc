@@ -1840,7 +1840,8 @@ class Runtime {
     // Backward data, dx = dy . centre: a 1x1 kernel's (O, I) weights are contiguous, a larger one's centre is copied.
     plan.backward_data_weights = plan.kernel_1x1 ? plan.centre_oi : oi;
     auto data = MakeMatmul(y, plan.backward_data_weights, x);
-    // Backward weights, dcentre = dy^T . x: into dw itself for a 1x1 kernel, else into a copy spread into zeroed dw.
+    // Backward weights, dcentre = dy^T . x: into dw itself for a 1x1 kernel, else into a copy that SpreadWindow
+    // writes into dw with zeros around it.
     plan.dw_centre = plan.kernel_1x1 ? plan.centre_oi : oi;
     auto filter = MakeMatmul(dy_transposed, x, plan.dw_centre);
     if (!forward || !data || !filter) {
