@@ -936,7 +936,8 @@ constexpr int kWinogradBlock = 8, kWinogradPositions = 16;  // F(2x2, 3x3)'s; Wi
 constexpr int64_t kWinogradChunkBytes = 300 * 1024;  // a chunk's transformed input and products, per thread
 constexpr int64_t kWinogradStreamedWeights = 16 << 20;  // transformed weights past half a 32 MB L3
 constexpr int64_t kWinogradMinTiles = 12;            // fewer (a batch of one 4x4 map): direct is faster
-// Tiles a chunk of the weight gradient has at least: each chunk reads and writes the thread's (16, out, in) sums.
+// Tiles a chunk of the weight gradient has at least: each chunk reads and writes the thread's (positions, out, in)
+// sums (16 positions for F(2x2, 3x3), 36 for F(4x4, 3x3)).
 constexpr int64_t kWinogradGradientTiles = 128;
 // Training's gradients run F(4x4, 3x3) with AVX-512 where tiles x in x out is at least this: ResNet-50's 3x3 layers
 // at 224x224 (2^24.6 or more at batch 32), not at 32x32 (2^19).
