@@ -920,18 +920,19 @@ void SmallMatmul(dnnl::threadpool_interop::threadpool_iface &pool, SmallProduct 
 }
 
 // 3x3 stride-1 convolutions (padding 1) on AVX2's 8-channel blocks, in inference and for training's gradients
-// (TrainingWinograd; with AVX-512, as F(4x4, 3x3) below): Winograd's F(2x2, 3x3), which computes each 2x2 output
-// tile from a 4x4 input tile with 16 products per input-output channel pair instead of 36. Each tile's input is
-// transformed (B^T d B), the 16 transformed positions are multiplied by the transformed weights (U = G g G^T, 16 sets
-// of panels) with PanelRows, and each tile's 16 results are transformed back (A^T m A), with the bias, the residual and
-// the ReLU. Tiles go in chunks whose transformed inputs and products stay in L2, each thread taking whole chunks.
-// oneDNN's AVX2 build has no Winograd kernel (oneDNN's are AVX-512 code). Standalone, on ResNet-50's 3x3 layers at
-// batch 32: 1.4x (56x56, 64 channels) to 2.1x (14x14, 256) oneDNN's direct convolution, the results within 1e-5 of its.
+// (TrainingWinograd; with AVX-512 the forward too, as F(4x4, 3x3) below): Winograd's F(2x2, 3x3), which computes each
+// 2x2 output tile from a 4x4 input tile with 16 products per input-output channel pair instead of 36. Each tile's
+// input is transformed (B^T d B), the 16 transformed positions are multiplied by the transformed weights (U = G g G^T,
+// 16 sets of panels) with PanelRows, and each tile's 16 results are transformed back (A^T m A), with the bias, the
+// residual and the ReLU. Tiles go in chunks whose transformed inputs and products stay in L2, each thread taking
+// whole chunks. oneDNN's AVX2 build has no Winograd kernel (oneDNN's are AVX-512 code). Standalone, on ResNet-50's 3x3
+// layers at batch 32: 1.4x (56x56, 64 channels) to 2.1x (14x14, 256) oneDNN's direct convolution, the results within
+// 1e-5 of its.
 // Inference runs F(4x4, 3x3) where the map has enough tiles for it: 4x4 output tiles from 6x6 input tiles, 36 products
-// for 16 outputs (2.25 per output against F(2x2, 3x3)'s 4). Its rounding error is larger; training runs it for the
-// gradients only, on AVX-512 (their rounding decides no ReLU; the forward stays oneDNN's). With AVX-512 the inference
-// runs these layers too: F(4x4, 3x3)'s transforms take whole 16-channel blocks, F(2x2, 3x3)'s read them as two
-// halves, and the products run in PanelRows512 and PanelPairRows512.
+// for 16 outputs (2.25 per output against F(2x2, 3x3)'s 4). Its rounding error is larger; training runs it on AVX-512
+// only, for layers with large products (TrainingWinograd says why). With AVX-512 the inference runs these layers too:
+// F(4x4, 3x3)'s transforms take whole 16-channel blocks, F(2x2, 3x3)'s read them as two halves, and the products run
+// in PanelRows512 and PanelPairRows512.
 constexpr int kWinogradBlock = 8, kWinogradPositions = 16;  // F(2x2, 3x3)'s; WinogradShape::positions() in general
 constexpr int64_t kWinogradChunkBytes = 300 * 1024;  // a chunk's transformed input and products, per thread
 constexpr int64_t kWinogradStreamedWeights = 16 << 20;  // transformed weights past half a 32 MB L3
@@ -942,6 +943,9 @@ constexpr int64_t kWinogradGradientTiles = 128;
 // Training's gradients run F(4x4, 3x3) with AVX-512 where tiles x in x out is at least this: ResNet-50's 3x3 layers
 // at 224x224 (2^24.6 or more at batch 32), not at 32x32 (2^19).
 constexpr int64_t kWinogradLargeProducts = int64_t(1) << 23;
+
+// The three convolutions of a training layer's step.
+enum class TrainingPass { kForward, kDataGradient, kWeightGradient };
 
 // Transformed positions of a Winograd tile whose output is tile x tile: (tile + 2)^2 input pixels.
 constexpr int64_t WinogradPositions(int64_t tile) { return (tile + 2) * (tile + 2); }
@@ -1618,13 +1622,20 @@ class Runtime {
     memory::desc x_plain, w_plain, y_plain;
     PlainDescs(Direction::kForward, shape, &x_plain, &w_plain, &y_plain);
     const memory::desc blocked(shape.dst, memory::data_type::f32, BlockedTag());
-    const memory::desc x_desc = x_blocked ? memory::desc(shape.src, memory::data_type::f32, BlockedTag()) : x_plain;
+    const memory::desc blocked_x(shape.src, memory::data_type::f32, BlockedTag());
+    const memory::desc x_desc = x_blocked ? blocked_x : x_plain;
     if (const OnePixelPlan *pixel = GetOnePixelPlan(shape)) {
       OnePixelForward(*pixel, x, weights, conv_out);
     } else if (const GatherPlan *gather = GetGatherPlan(shape, x_desc)) {
       GatherForward(*gather, x, weights, conv_out);
     } else if (const SmallMapPlan *small = GetSmallMapPlan(shape, x_desc)) {
       RunMatmul(small->forward, x, ExpandWeights(*small, weights), conv_out);
+    } else if (const auto winograd = TrainingWinograd(shape, TrainingPass::kForward)) {
+      const memory blocks = ToLayout(memory(x_desc, engine_, x), blocked_x, &buffers_[1]);
+      stream_.wait();
+      WinogradConvolution(executor_.pool, *winograd, static_cast<const float *>(blocks.get_data_handle()),
+                          TrainingWinogradWeights(*winograd, weights, false), nullptr, nullptr, false,
+                          static_cast<float *>(conv_out), winograd_buffers_.get());
     } else {
       const Plan &plan = GetPlan(Direction::kForward, shape);
       Execute(plan, ToLayout(memory(x_desc, engine_, x), plan.first_desc, &buffers_[0]),
@@ -1689,7 +1700,7 @@ class Runtime {
       RunMatmul(small->backward_weights, d_conv_out.get_data_handle(), x, matrix);
       stream_.wait();
       FoldPixelPairs(small->pairs, static_cast<const float *>(matrix), static_cast<float *>(dw), executor_.pool);
-    } else if (const auto winograd = TrainingWinograd(shape, true)) {
+    } else if (const auto winograd = TrainingWinograd(shape, TrainingPass::kWeightGradient)) {
       const memory blocks = ToLayout(memory(x_desc, engine_, x), memory::desc(shape.src, memory::data_type::f32,
                                                                               BlockedTag()), &buffers_[1]);
       stream_.wait();
@@ -1820,11 +1831,11 @@ class Runtime {
       RunMatmul(small->backward_data, d_conv_out.get_data_handle(), ExpandWeights(*small, weights), dx);
       return;
     }
-    if (const auto winograd = TrainingWinograd(shape, false)) {
+    if (const auto winograd = TrainingWinograd(shape, TrainingPass::kDataGradient)) {
       const memory::desc blocks(shape.src, memory::data_type::f32, BlockedTag());
       void *result = x_blocked ? dx : buffers_[2].Get(blocks.get_size());
       WinogradConvolution(executor_.pool, *winograd, static_cast<const float *>(d_conv_out.get_data_handle()),
-                          DataGradientWinogradWeights(*winograd, weights), nullptr, nullptr, false,
+                          TrainingWinogradWeights(*winograd, weights, true), nullptr, nullptr, false,
                           static_cast<float *>(result), winograd_buffers_.get());
       if (!x_blocked) {
         memory from(blocks, engine_, result), to(x_desc, engine_, dx);
@@ -1837,42 +1848,47 @@ class Runtime {
             ToLayout(memory(w_plain, engine_, weights), data.second_desc, &buffers_[1]), x_desc, dx);
   }
 
-  // Where a training layer is a 3x3 stride-1 one with padding 1, the Winograd shape its input gradient (the
-  // convolution of d_conv_out, in channel blocks, with the layer's kernels turned; WinogradUsable) or its weight
-  // gradient (WinogradWeightGradientUsable) runs as; nullopt where not. The forward stays oneDNN's direct
-  // convolution: its rounding decides the ReLUs, and a Winograd forward flipped some in the whole-network gradient
-  // parity test (1-18 % off torch float64 for ResNet-18, where oneDNN's rounding stays within 3e-4).
-  std::optional<WinogradShape> TrainingWinograd(const Shape &shape, bool weight_gradient) const {
+  // Where a training layer is a 3x3 stride-1 one with padding 1, the Winograd shape its forward (WinogradUsable), its
+  // input gradient (the convolution of d_conv_out, in channel blocks, with the layer's kernels turned;
+  // WinogradUsable) or its weight gradient (WinogradWeightGradientUsable) runs as; nullopt where not.
+  std::optional<WinogradShape> TrainingWinograd(const Shape &shape, TrainingPass pass) const {
     const memory::dims &w = shape.weights, &src = shape.src;
     if (w[2] != 3 || w[3] != 3 || shape.strides != memory::dims{1, 1} || shape.padding != memory::dims{1, 1} ||
         shape.dst != memory::dims{src[0], w[0], src[2], src[3]}) {
       return std::nullopt;
     }
-    WinogradShape winograd = weight_gradient ? WinogradShape{src[0], w[1], w[0], src[2], src[3]}
-                                             : WinogradShape{src[0], w[0], w[1], src[2], src[3]};
-    const auto usable = [weight_gradient](const WinogradShape &s) {
-      return weight_gradient ? WinogradWeightGradientUsable(s) : WinogradUsable(s);
+    WinogradShape winograd = pass == TrainingPass::kDataGradient ? WinogradShape{src[0], w[0], w[1], src[2], src[3]}
+                                                                 : WinogradShape{src[0], w[1], w[0], src[2], src[3]};
+    const auto usable = [pass](const WinogradShape &s) {
+      return pass == TrainingPass::kWeightGradient ? WinogradWeightGradientUsable(s) : WinogradUsable(s);
     };
-    // On AVX-512's 16-channel blocks both gradients run F(4x4, 3x3), with whole-block transforms and paired panels,
-    // where its products are large (kWinogradLargeProducts): the step was 1.04x faster at 224x224 than with F(2x2,
-    // 3x3)'s input gradient and oneDNN's direct weight gradient, and 0.975x at 32x32, whose products are 2^19. With
-    // F(2x2, 3x3) the weight gradient lost what it gained (the step was level), so elsewhere it stays oneDNN's.
+    // On AVX-512's 16-channel blocks all three passes run F(4x4, 3x3), with whole-block transforms and paired panels,
+    // where its products are large (kWinogradLargeProducts). The two gradients made the step 1.04x faster at 224x224
+    // than F(2x2, 3x3)'s input gradient and oneDNN's direct weight gradient, and 0.975x at 32x32, whose products are
+    // 2^19; the forward made it FORWARD_GAIN faster at 224x224 and level at 32x32. With F(2x2, 3x3) the weight
+    // gradient lost what it gained (the step was level), so elsewhere it stays oneDNN's.
     if (PanelsAvx512() && ChannelBlock() == kWideBlock) {
       winograd.tile = 4;
       if (winograd.tiles() * winograd.in * winograd.out >= kWinogradLargeProducts && usable(winograd)) return winograd;
       winograd.tile = 2;
-      if (weight_gradient) return std::nullopt;
-    } else if (weight_gradient && ChannelBlock() != kWinogradBlock) {
+      if (pass != TrainingPass::kDataGradient) return std::nullopt;
+    } else if (pass == TrainingPass::kForward) {
+      // The forward's rounding decides the ReLUs: an F(2x2, 3x3) forward on AVX2 flipped one in the whole-network
+      // gradient parity test (ResNet-18 at 32x32, 1-18 % off torch float64 where oneDNN's direct kernel stays within
+      // 3e-4), so below the large products, and on AVX2, the forward stays oneDNN's.
+      return std::nullopt;
+    } else if (pass == TrainingPass::kWeightGradient && ChannelBlock() != kWinogradBlock) {
       return std::nullopt;
     }
     if (!usable(winograd)) return std::nullopt;
     return winograd;
   }
 
-  // The layer's plain weights transformed for the input gradient's Winograd convolution (they change every step).
-  const float *DataGradientWinogradWeights(const WinogradShape &s, void *weights) {
+  // The layer's plain OIHW weights transformed for a training Winograd convolution, the forward's or (data_gradient)
+  // the input gradient's; they change every step, so every call transforms them.
+  const float *TrainingWinogradWeights(const WinogradShape &s, void *weights, bool data_gradient) {
     float *u = static_cast<float *>(winograd_weights_.Get(s.positions() * s.in * s.out * sizeof(float)));
-    WinogradWeights(executor_.pool, static_cast<const float *>(weights), s.out, s.in, true, s.tile, u);
+    WinogradWeights(executor_.pool, static_cast<const float *>(weights), s.out, s.in, data_gradient, s.tile, u);
     return u;
   }
 

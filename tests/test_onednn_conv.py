@@ -263,9 +263,9 @@ def conv_batchnorm_results(conv: nn.Conv2d, bn: nn.BatchNorm2d, x: np.ndarray, u
 # h 7 cuts its last 2x2 tiles, and 32 -> 48 channels gives the input gradient other panels than the weight gradient.
 BLOCKED_CASES = [(64, 64, 3, 1, 1, 8), (64, 128, 3, 1, 1, 2), (256, 256, 3, 1, 1, 2), (128, 128, 3, 2, 1, 4),
                  (256, 1024, 1, 1, 0, 2), (32, 48, 3, 1, 1, 7)]
-# With AVX-512, both gradients run F(4x4, 3x3) where their products are large (tiles x in x out at least 2^23, as
-# ResNet-50's 3x3 layers at 224x224): at batch 28, 448 tiles of 4x4, the 15x15 maps' last ones cut; 144 input
-# channels leave the weight gradient's products one panel unpaired.
+# With AVX-512, the forward and both gradients run F(4x4, 3x3) where their products are large (tiles x in x out at
+# least 2^23, as ResNet-50's 3x3 layers at 224x224): at batch 28, 448 tiles of 4x4, the 15x15 maps' last ones cut; 144
+# input channels leave the weight gradient's products one panel unpaired.
 LARGE_WINOGRAD_CASE, LARGE_WINOGRAD_BATCH = (144, 160, 3, 1, 1, 15), 28
 
 
@@ -300,8 +300,8 @@ def test_convolution_with_batchnorm_and_relu_equals_conv2d_batchnorm2d_relu(case
 
 
 def test_convolution_with_batchnorm_on_large_maps_equals_conv2d_then_batchnorm2d():
-    """The same on channel blocks for a 3x3 layer whose gradients' Winograd products are as large as ResNet-50's
-    at 224x224 (F(4x4, 3x3) with AVX-512, in the uncapped rerun)."""
+    """The same on channel blocks for a 3x3 layer whose Winograd products are as large as ResNet-50's at 224x224
+    (its forward and gradients as F(4x4, 3x3) with AVX-512, in the uncapped rerun)."""
     check_convolution_with_batchnorm(LARGE_WINOGRAD_CASE, ms.PYNATIVE_MODE, False, blocked=True,
                                      batch=LARGE_WINOGRAD_BATCH)
 
