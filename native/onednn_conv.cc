@@ -920,7 +920,7 @@ void SmallMatmul(dnnl::threadpool_interop::threadpool_iface &pool, SmallProduct 
 }
 
 // 3x3 stride-1 convolutions (padding 1) on AVX2's 8-channel blocks, in inference and for training's gradients
-// (TrainingWinograd; with AVX-512 the forward too, as F(4x4, 3x3) below): Winograd's F(2x2, 3x3), which computes each
+// (TrainingWinograd; the forward too where large, as F(4x4, 3x3) below): Winograd's F(2x2, 3x3), which computes each
 // 2x2 output tile from a 4x4 input tile with 16 products per input-output channel pair instead of 36. Each tile's
 // input is transformed (B^T d B), the 16 transformed positions are multiplied by the transformed weights (U = G g G^T,
 // 16 sets of panels) with PanelRows, and each tile's 16 results are transformed back (A^T m A), with the bias, the
@@ -929,10 +929,10 @@ void SmallMatmul(dnnl::threadpool_interop::threadpool_iface &pool, SmallProduct 
 // layers at batch 32: 1.4x (56x56, 64 channels) to 2.1x (14x14, 256) oneDNN's direct convolution, the results within
 // 1e-5 of its.
 // Inference runs F(4x4, 3x3) where the map has enough tiles for it: 4x4 output tiles from 6x6 input tiles, 36 products
-// for 16 outputs (2.25 per output against F(2x2, 3x3)'s 4). Its rounding error is larger; training runs it on AVX-512
-// only, for layers with large products (TrainingWinograd says why). With AVX-512 the inference runs these layers too:
-// F(4x4, 3x3)'s transforms take whole 16-channel blocks, F(2x2, 3x3)'s read them as two halves, and the products run
-// in PanelRows512 and PanelPairRows512.
+// for 16 outputs (2.25 per output against F(2x2, 3x3)'s 4). Its rounding error is larger; training runs it for layers
+// with large products only (TrainingWinograd says why), their gradients only on AVX-512. With AVX-512 the inference
+// runs these layers too: F(4x4, 3x3)'s transforms take whole 16-channel blocks, F(2x2, 3x3)'s read them as two halves,
+// and the products run in PanelRows512 and PanelPairRows512.
 constexpr int kWinogradBlock = 8, kWinogradPositions = 16;  // F(2x2, 3x3)'s; WinogradShape::positions() in general
 constexpr int64_t kWinogradChunkBytes = 300 * 1024;  // a chunk's transformed input and products, per thread
 constexpr int64_t kWinogradStreamedWeights = 16 << 20;  // transformed weights past half a 32 MB L3
@@ -1862,21 +1862,22 @@ class Runtime {
     const auto usable = [pass](const WinogradShape &s) {
       return pass == TrainingPass::kWeightGradient ? WinogradWeightGradientUsable(s) : WinogradUsable(s);
     };
-    // On AVX-512's 16-channel blocks all three passes run F(4x4, 3x3), with whole-block transforms and paired panels,
-    // where its products are large (kWinogradLargeProducts). The two gradients made the step 1.04x faster at 224x224
-    // than F(2x2, 3x3)'s input gradient and oneDNN's direct weight gradient, and 0.975x at 32x32, whose products are
-    // 2^19; the forward made it FORWARD_GAIN faster at 224x224 and level at 32x32. With F(2x2, 3x3) the weight
-    // gradient lost what it gained (the step was level), so elsewhere it stays oneDNN's.
-    if (PanelsAvx512() && ChannelBlock() == kWideBlock) {
+    // The forward runs F(4x4, 3x3) where its products are large (kWinogradLargeProducts), on both ISAs: the step was
+    // FWD512 faster at 224x224 with AVX-512 and FWD2 under the AVX2 cap, and 0.96x at 32x32 with AVX-512 (products of
+    // 2^19, layer1's 8x8 maps). Elsewhere it stays oneDNN's direct convolution, whose rounding, which decides the
+    // ReLUs, the whole-network gradient parity test (ResNet-18 at 32x32, products of 2^20 or less) holds to torch
+    // float64's; an F(2x2, 3x3) forward on AVX2 there had flipped one ReLU (1-18 % off, where oneDNN stays within
+    // 3e-4).
+    // On AVX-512's 16-channel blocks both gradients run F(4x4, 3x3) too, with whole-block transforms and paired
+    // panels, where their products are large: the step was 1.04x faster at 224x224 than with F(2x2, 3x3)'s input
+    // gradient and oneDNN's direct weight gradient, and 0.975x at 32x32. With F(2x2, 3x3) the weight gradient lost
+    // what it gained (the step was level), so elsewhere it stays oneDNN's.
+    const bool wide = PanelsAvx512() && ChannelBlock() == kWideBlock;
+    if (pass == TrainingPass::kForward || wide) {
       winograd.tile = 4;
       if (winograd.tiles() * winograd.in * winograd.out >= kWinogradLargeProducts && usable(winograd)) return winograd;
       winograd.tile = 2;
       if (pass != TrainingPass::kDataGradient) return std::nullopt;
-    } else if (pass == TrainingPass::kForward) {
-      // The forward's rounding decides the ReLUs: an F(2x2, 3x3) forward on AVX2 flipped one in the whole-network
-      // gradient parity test (ResNet-18 at 32x32, 1-18 % off torch float64 where oneDNN's direct kernel stays within
-      // 3e-4), so below the large products, and on AVX2, the forward stays oneDNN's.
-      return std::nullopt;
     } else if (pass == TrainingPass::kWeightGradient && ChannelBlock() != kWinogradBlock) {
       return std::nullopt;
     }
