@@ -1023,28 +1023,31 @@ void WinogradWeights(dnnl::threadpool_interop::threadpool_iface &pool, const flo
           const int64_t o = panel * kPanelColumns + lane;
           return g + (data_gradient ? i * out + o : o * in + i) * 9;
         };
-        for (int half = 0; tile == 4 && half < kPanelColumns; half += 8) {
-          float w[9][8];
-          for (int lane = 0; lane < 8; ++lane) {
-            for (int tap = 0; tap < 9; ++tap) w[tap][lane] = kernel(half + lane)[data_gradient ? 8 - tap : tap];
+        if (tile == 4) {
+          for (int half = 0; half < kPanelColumns; half += 8) {
+            float w[9][8];
+            for (int lane = 0; lane < 8; ++lane) {
+              for (int tap = 0; tap < 9; ++tap) w[tap][lane] = kernel(half + lane)[data_gradient ? 8 - tap : tap];
+            }
+            WinogradKernels4x4(w, &rows[0][half], kPanelColumns);
           }
-          WinogradKernels4x4(w, &rows[0][half], kPanelColumns);
-        }
-        for (int lane = 0; tile == 2 && lane < kPanelColumns; ++lane) {
-          float w[9];
-          for (int tap = 0; tap < 9; ++tap) w[tap] = kernel(lane)[data_gradient ? 8 - tap : tap];
-          float t[4][3];  // G g
-          for (int j = 0; j < 3; ++j) {
-            t[0][j] = w[j];
-            t[1][j] = 0.5f * (w[j] + w[3 + j] + w[6 + j]);
-            t[2][j] = 0.5f * (w[j] - w[3 + j] + w[6 + j]);
-            t[3][j] = w[6 + j];
-          }
-          for (int r = 0; r < 4; ++r) {
-            rows[r * 4 + 0][lane] = t[r][0];
-            rows[r * 4 + 1][lane] = 0.5f * (t[r][0] + t[r][1] + t[r][2]);
-            rows[r * 4 + 2][lane] = 0.5f * (t[r][0] - t[r][1] + t[r][2]);
-            rows[r * 4 + 3][lane] = t[r][2];
+        } else {
+          for (int lane = 0; lane < kPanelColumns; ++lane) {
+            float w[9];
+            for (int tap = 0; tap < 9; ++tap) w[tap] = kernel(lane)[data_gradient ? 8 - tap : tap];
+            float t[4][3];  // G g
+            for (int j = 0; j < 3; ++j) {
+              t[0][j] = w[j];
+              t[1][j] = 0.5f * (w[j] + w[3 + j] + w[6 + j]);
+              t[2][j] = 0.5f * (w[j] - w[3 + j] + w[6 + j]);
+              t[3][j] = w[6 + j];
+            }
+            for (int r = 0; r < 4; ++r) {
+              rows[r * 4 + 0][lane] = t[r][0];
+              rows[r * 4 + 1][lane] = 0.5f * (t[r][0] + t[r][1] + t[r][2]);
+              rows[r * 4 + 2][lane] = 0.5f * (t[r][0] - t[r][1] + t[r][2]);
+              rows[r * 4 + 3][lane] = t[r][2];
+            }
           }
         }
         for (int position = 0; position < WinogradPositions(tile); ++position) {
@@ -1633,8 +1636,7 @@ class Runtime {
     memory::desc x_plain, w_plain, y_plain;
     PlainDescs(Direction::kForward, shape, &x_plain, &w_plain, &y_plain);
     const memory::desc blocked(shape.dst, memory::data_type::f32, BlockedTag());
-    const memory::desc blocked_x(shape.src, memory::data_type::f32, BlockedTag());
-    const memory::desc x_desc = x_blocked ? blocked_x : x_plain;
+    const memory::desc x_desc = x_blocked ? memory::desc(shape.src, memory::data_type::f32, BlockedTag()) : x_plain;
     if (const OnePixelPlan *pixel = GetOnePixelPlan(shape)) {
       OnePixelForward(*pixel, x, weights, conv_out);
     } else if (const GatherPlan *gather = GetGatherPlan(shape, x_desc)) {
@@ -1642,9 +1644,7 @@ class Runtime {
     } else if (const SmallMapPlan *small = GetSmallMapPlan(shape, x_desc)) {
       RunMatmul(small->forward, x, ExpandWeights(*small, weights), conv_out);
     } else if (const auto winograd = TrainingWinograd(shape, TrainingPass::kForward)) {
-      const memory blocks = ToLayout(memory(x_desc, engine_, x), blocked_x, &buffers_[1]);
-      stream_.wait();
-      WinogradConvolution(executor_.pool, *winograd, static_cast<const float *>(blocks.get_data_handle()),
+      WinogradConvolution(executor_.pool, *winograd, InputInBlocks(shape, x_desc, x),
                           TrainingWinogradWeights(*winograd, weights, false), nullptr, nullptr, false,
                           static_cast<float *>(conv_out), winograd_buffers_.get());
     } else {
@@ -1712,10 +1712,7 @@ class Runtime {
       stream_.wait();
       FoldPixelPairs(small->pairs, static_cast<const float *>(matrix), static_cast<float *>(dw), executor_.pool);
     } else if (const auto winograd = TrainingWinograd(shape, TrainingPass::kWeightGradient)) {
-      const memory blocks = ToLayout(memory(x_desc, engine_, x), memory::desc(shape.src, memory::data_type::f32,
-                                                                              BlockedTag()), &buffers_[1]);
-      stream_.wait();
-      WinogradWeightGradient(executor_.pool, *winograd, static_cast<const float *>(blocks.get_data_handle()),
+      WinogradWeightGradient(executor_.pool, *winograd, InputInBlocks(shape, x_desc, x),
                              static_cast<const float *>(d_conv_out.get_data_handle()), static_cast<float *>(dw),
                              winograd_gradient_buffers_.get());
     } else {
@@ -1874,11 +1871,11 @@ class Runtime {
       return pass == TrainingPass::kWeightGradient ? WinogradWeightGradientUsable(s) : WinogradUsable(s);
     };
     // The forward runs F(4x4, 3x3) where its products are large (kWinogradLargeProducts), on both ISAs: the step was
-    // FWD512 faster at 224x224 with AVX-512 and FWD2 under the AVX2 cap, and 0.96x at 32x32 with AVX-512 (products of
-    // 2^19, layer1's 8x8 maps). Elsewhere it stays oneDNN's direct convolution, whose rounding, which decides the
-    // ReLUs, the whole-network gradient parity test (ResNet-18 at 32x32, products of 2^20 or less) holds to torch
-    // float64's; an F(2x2, 3x3) forward on AVX2 there had flipped one ReLU (1-18 % off, where oneDNN stays within
-    // 3e-4).
+    // 1.02-1.05x faster at 224x224 with AVX-512 and 1.05x under the AVX2 cap, and 0.96x at 32x32 with AVX-512
+    // (products of 2^19, layer1's 8x8 maps). Elsewhere it stays oneDNN's direct convolution. The forward's rounding
+    // decides the ReLUs, and the whole-network gradient parity test (ResNet-18 at 32x32, products of 2^20 or less)
+    // holds oneDNN's to torch float64's; an F(2x2, 3x3) forward on AVX2 there had flipped one ReLU (1-18 % off, where
+    // oneDNN stays within 3e-4).
     // On AVX-512's 16-channel blocks both gradients run F(4x4, 3x3) too, with whole-block transforms and paired
     // panels, where their products are large: the step was 1.04x faster at 224x224 than with F(2x2, 3x3)'s input
     // gradient and oneDNN's direct weight gradient, and 0.975x at 32x32. With F(2x2, 3x3) the weight gradient lost
@@ -1894,6 +1891,15 @@ class Runtime {
     }
     if (!usable(winograd)) return std::nullopt;
     return winograd;
+  }
+
+  // The layer's input x (laid out as x_desc) in channel blocks, for the Winograd passes: x itself where it is there,
+  // else reordered into buffers_[1] (and waited for).
+  const float *InputInBlocks(const Shape &shape, const memory::desc &x_desc, void *x) {
+    const memory blocks = ToLayout(memory(x_desc, engine_, x), memory::desc(shape.src, memory::data_type::f32,
+                                                                            BlockedTag()), &buffers_[1]);
+    stream_.wait();
+    return static_cast<const float *>(blocks.get_data_handle());
   }
 
   // The layer's plain OIHW weights transformed for a training Winograd convolution, the forward's or (data_gradient)
