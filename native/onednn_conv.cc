@@ -930,9 +930,9 @@ void SmallMatmul(dnnl::threadpool_interop::threadpool_iface &pool, SmallProduct 
 // 1e-5 of its.
 // Inference runs F(4x4, 3x3) where the map has enough tiles for it: 4x4 output tiles from 6x6 input tiles, 36 products
 // for 16 outputs (2.25 per output against F(2x2, 3x3)'s 4). Its rounding error is larger; training runs it for layers
-// with large products only (TrainingWinograd says why), their gradients only on AVX-512. With AVX-512 the inference
-// runs these layers too: F(4x4, 3x3)'s transforms take whole 16-channel blocks, F(2x2, 3x3)'s read them as two halves,
-// and the products run in PanelRows512 and PanelPairRows512.
+// with large products only (TrainingWinograd says why), their weight gradient only on AVX-512. With AVX-512 the
+// inference runs these layers too: F(4x4, 3x3)'s transforms take whole 16-channel blocks, F(2x2, 3x3)'s read them as
+// two halves, and the products run in PanelRows512 and PanelPairRows512.
 constexpr int kWinogradBlock = 8, kWinogradPositions = 16;  // F(2x2, 3x3)'s; WinogradShape::positions() in general
 constexpr int64_t kWinogradChunkBytes = 300 * 1024;  // a chunk's transformed input and products, per thread
 constexpr int64_t kWinogradStreamedWeights = 16 << 20;  // transformed weights past half a 32 MB L3
@@ -940,8 +940,8 @@ constexpr int64_t kWinogradMinTiles = 12;            // fewer (a batch of one 4x
 // Tiles a chunk of the weight gradient has at least: each chunk reads and writes the thread's (positions, out, in)
 // sums (16 positions for F(2x2, 3x3), 36 for F(4x4, 3x3)).
 constexpr int64_t kWinogradGradientTiles = 128;
-// Training's gradients run F(4x4, 3x3) with AVX-512 where tiles x in x out is at least this: ResNet-50's 3x3 layers
-// at 224x224 (2^24.6 or more at batch 32), not at 32x32 (2^19).
+// Training's passes run F(4x4, 3x3) where tiles x in x out is at least this (the weight gradient with AVX-512 only):
+// ResNet-50's 3x3 layers at 224x224 (2^24.6 or more at batch 32), not at 32x32 (2^19).
 constexpr int64_t kWinogradLargeProducts = int64_t(1) << 23;
 
 // The three convolutions of a training layer's step.
@@ -1876,17 +1876,19 @@ class Runtime {
     // decides the ReLUs, and the whole-network gradient parity test (ResNet-18 at 32x32, products of 2^20 or less)
     // holds oneDNN's to torch float64's; an F(2x2, 3x3) forward on AVX2 there had flipped one ReLU (1-18 % off, where
     // oneDNN stays within 3e-4).
-    // On AVX-512's 16-channel blocks both gradients run F(4x4, 3x3) too, with whole-block transforms and paired
-    // panels, where their products are large: the step was 1.04x faster at 224x224 than with F(2x2, 3x3)'s input
-    // gradient and oneDNN's direct weight gradient, and 0.975x at 32x32. With F(2x2, 3x3) the weight gradient lost
-    // what it gained (the step was level), so elsewhere it stays oneDNN's.
+    // The input gradient runs F(4x4, 3x3) where its products are large too, and F(2x2, 3x3) elsewhere. On AVX-512's
+    // 16-channel blocks so does the weight gradient, with whole-block transforms and paired panels: the step was
+    // 1.04x faster at 224x224 than with F(2x2, 3x3)'s input gradient and oneDNN's direct weight gradient, and 0.975x
+    // at 32x32. With F(2x2, 3x3) that weight gradient lost what it gained (the step was level), so elsewhere it stays
+    // oneDNN's. Under the AVX2 cap the input gradient's F(4x4, 3x3) gave 1.015x at 224x224 (7 rounds side by side);
+    // the weight gradient's, with 8-channel transforms, was level with its F(2x2, 3x3) (3 rounds), which it keeps.
     const bool wide = PanelsAvx512() && ChannelBlock() == kWideBlock;
-    if (pass == TrainingPass::kForward || wide) {
+    if (pass != TrainingPass::kWeightGradient || wide) {
       winograd.tile = 4;
       if (winograd.tiles() * winograd.in * winograd.out >= kWinogradLargeProducts && usable(winograd)) return winograd;
       winograd.tile = 2;
       if (pass != TrainingPass::kDataGradient) return std::nullopt;
-    } else if (pass == TrainingPass::kWeightGradient && ChannelBlock() != kWinogradBlock) {
+    } else if (ChannelBlock() != kWinogradBlock) {
       return std::nullopt;
     }
     if (!usable(winograd)) return std::nullopt;

@@ -263,9 +263,9 @@ def conv_batchnorm_results(conv: nn.Conv2d, bn: nn.BatchNorm2d, x: np.ndarray, u
 # h 7 cuts its last 2x2 tiles, and 32 -> 48 channels gives the input gradient other panels than the weight gradient.
 BLOCKED_CASES = [(64, 64, 3, 1, 1, 8), (64, 128, 3, 1, 1, 2), (256, 256, 3, 1, 1, 2), (128, 128, 3, 2, 1, 4),
                  (256, 1024, 1, 1, 0, 2), (32, 48, 3, 1, 1, 7)]
-# With AVX-512, the forward and both gradients run F(4x4, 3x3) where their products are large (tiles x in x out at
-# least 2^23, as ResNet-50's 3x3 layers at 224x224): at batch 28, 448 tiles of 4x4, the 15x15 maps' last ones cut; 144
-# input channels leave the weight gradient's products one panel unpaired.
+# The forward and the input gradient run F(4x4, 3x3) where their products are large (tiles x in x out at least 2^23,
+# as ResNet-50's 3x3 layers at 224x224), and with AVX-512 the weight gradient too: at batch 28, 448 tiles of 4x4, the
+# 15x15 maps' last ones cut; 144 input channels leave the weight gradient's products one panel unpaired.
 LARGE_WINOGRAD_CASE, LARGE_WINOGRAD_BATCH = (144, 160, 3, 1, 1, 15), 28
 
 
