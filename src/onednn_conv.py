@@ -157,7 +157,8 @@ def relu_mask_bytes(y_shape: Tuple[int, int, int, int]) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def _conv_batchnorm_op(stride: int, padding: int, defer_input_gradient: bool = False) -> ops.Custom:
+def _conv_batchnorm_op(stride: int, padding: int, defer_input_gradient: bool = False,
+                       residual_add_relu: bool = False) -> ops.Custom:
     """Convolution then BatchNorm on the batch's statistics in one native call (training), and a ReLU where the
     layouts say so, with its gradient op as bprop: (x, weight, gamma, beta, moving mean, moving variance, (eps,
     momentum), layouts (x's, y's: PLAIN or BLOCKED; the weight gradient's: 1 where it may come in the kernel's layout,
@@ -167,10 +168,15 @@ def _conv_batchnorm_op(stride: int, padding: int, defer_input_gradient: bool = F
     The gradient of x comes in x's layout.
 
     defer_input_gradient: the gradient of x is a native call of its own, so that the graph drops it where nothing
-    uses it (a network's first convolution: training differentiates the weights, not the images)."""
+    uses it (a network's first convolution: training differentiates the weights, not the images).
+    residual_add_relu: a residual block's end, y = relu(BatchNorm(conv(x)) + residual), with the residual (in
+    channel blocks, as y) an input after the layouts, which have no ReLU of the BatchNorm's own."""
     library = usable_library()
     suffix = f"_s{stride}_p{padding}"
-    make_bprop = _conv_batchnorm_bprop_deferred if defer_input_gradient else _conv_batchnorm_bprop
+    if residual_add_relu:
+        make_bprop = _conv_batchnorm_add_relu_bprop
+    else:
+        make_bprop = _conv_batchnorm_bprop_deferred if defer_input_gradient else _conv_batchnorm_bprop
 
     def output_shape(x_shape, w_shape, gamma_shape, *others):
         y_shape = (x_shape[0], w_shape[0], (x_shape[2] + 2 * padding - w_shape[2]) // stride + 1,
@@ -181,7 +187,8 @@ def _conv_batchnorm_op(stride: int, padding: int, defer_input_gradient: bool = F
     def output_dtype(x_dtype, *others):
         return (x_dtype,) * 6 + (ms.uint8,)
 
-    return ops.Custom(f"{library}:ConvBnForward{suffix}", output_shape, output_dtype, func_type="aot",
+    name = "ConvBnAddReluForward" if residual_add_relu else "ConvBnForward"
+    return ops.Custom(f"{library}:{name}{suffix}", output_shape, output_dtype, func_type="aot",
                       bprop=make_bprop(library, suffix))
 
 
@@ -213,6 +220,19 @@ def _conv_batchnorm_bprop(library: str, suffix: str) -> Callable:
                                             out[6])
         return (dx, dw, dgamma, dbeta, ops.zeros_like(moving_mean), ops.zeros_like(moving_variance),
                 ops.zeros_like(constants), ops.zeros_like(layouts))
+
+    return bprop
+
+
+def _conv_batchnorm_add_relu_bprop(library: str, suffix: str) -> Callable:
+    """ConvBnAddReluForward's bprop: ReLU's gradient from y (the residual's gradient too), then ConvBnForward's."""
+    gradient = _relu_gradient_op(library)
+    conv_batchnorm_bprop = _conv_batchnorm_bprop(library, suffix)
+
+    def bprop(x, weight, gamma, beta, moving_mean, moving_variance, constants, layouts, residual, out, dout):
+        d_sum = gradient(dout[0], out[0])
+        return conv_batchnorm_bprop(x, weight, gamma, beta, moving_mean, moving_variance, constants, layouts, out,
+                                    (d_sum,)) + (d_sum,)
 
     return bprop
 
@@ -317,11 +337,16 @@ class ReluMaxPool(nn.Cell):
 
 
 @functools.lru_cache(maxsize=None)
+def _relu_gradient_op(library: str) -> ops.Custom:
+    """(dy, y) -> 0 where the ReLU's output y is <= 0 and dy elsewhere (as torch's), element-wise in one native pass."""
+    return ops.Custom(f"{library}:ReluGradient", lambda dy, y: dy, lambda dy, y: dy, func_type="aot")
+
+
 def _add_relu_op() -> ops.Custom:
     """relu(a + b) element-wise in one native pass (the residual addition and its ReLU, in any layout), for training;
-    the gradient of both inputs, 0 where the output is <= 0 and dy elsewhere (as torch's), in one more, as bprop."""
+    the gradient of both inputs, ReLU's gradient, in one more, as bprop."""
     library = usable_library()
-    gradient = ops.Custom(f"{library}:ReluGradient", lambda dy, y: dy, lambda dy, y: dy, func_type="aot")
+    gradient = _relu_gradient_op(library)
 
     def bprop(a, b, out, dout):
         da = gradient(dout, out)
@@ -369,6 +394,7 @@ class BlockedConv2d(nn.Conv2d):
         # The fused BatchNorm runs on channel blocks.
         fusable = supported and not self.has_bias and self.out_channels % channel_block() == 0
         self.batchnorm_op = _conv_batchnorm_op(stride[0], padding) if fusable else None
+        self.batchnorm_add_relu_op = _conv_batchnorm_op(stride[0], padding, residual_add_relu=True) if fusable else None
         self.blocked_stride, self.blocked_padding = stride[0], padding  # what the native ops are told
         # False: the weight gradient comes in plain OIHW. True (see gradients_in_kernel_layout): it may come in the
         # convolution kernel's own layout, for a native optimizer update that reads it there.
@@ -384,11 +410,6 @@ class BlockedConv2d(nn.Conv2d):
     def relu_max_pool_cell() -> ReluMaxPool:
         """A cell that runs ReLU and the imagenet stem's max pool on channel blocks (training)."""
         return ReluMaxPool()
-
-    @staticmethod
-    def add_relu_cell() -> AddRelu:
-        """A cell that runs a residual block's addition and ReLU on channel blocks (training)."""
-        return AddRelu()
 
     def defer_input_gradient(self) -> None:
         """with_batchnorm computes the gradient of x in a native call of its own, which the graph drops where
@@ -416,6 +437,23 @@ class BlockedConv2d(nn.Conv2d):
         y, _, _, _, moving_mean, moving_variance, _ = self.batchnorm_op(x, self.weight, bn.gamma, bn.beta,
                                                                         bn.moving_mean, bn.moving_variance,
                                                                         constants, layouts)
+        ops.assign(bn.moving_mean, moving_mean)
+        ops.assign(bn.moving_variance, moving_variance)
+        return y
+
+    def with_batchnorm_add_relu(self, x, bn: nn.BatchNorm2d, residual):
+        """relu(bn(self(x)) + residual) with x, the residual and the result in channel blocks: a residual block's end
+        in a training step. On batch statistics in one native call, as with_batchnorm (the same moving statistics):
+        the BatchNorm's statistics, then its normalization with the addition and ReLU, two passes over the
+        convolution's output, where oneDNN's BatchNorm wrote its output and AddRelu read it back. Elsewhere
+        with_batchnorm, then AddRelu."""
+        if (self.batchnorm_add_relu_op is None or x.dtype != ms.float32 or not bn.training
+                or bn.use_batch_statistics is False):
+            return _add_relu_op()(self.with_batchnorm(x, bn, BLOCKED, BLOCKED), residual)
+        constants = ms.Tensor([bn.eps, bn.momentum], ms.float32)
+        layouts = ms.Tensor([BLOCKED, BLOCKED, int(self.kernel_layout_gradient), 0], ms.int64)
+        y, _, _, _, moving_mean, moving_variance, _ = self.batchnorm_add_relu_op(
+            x, self.weight, bn.gamma, bn.beta, bn.moving_mean, bn.moving_variance, constants, layouts, residual)
         ops.assign(bn.moving_mean, moving_mean)
         ops.assign(bn.moving_variance, moving_variance)
         return y

@@ -5,7 +5,7 @@ import re
 import shutil
 import subprocess
 import sys
-from typing import List
+from typing import List, Optional
 
 import numpy as np
 import pytest
@@ -17,7 +17,7 @@ from conftest import (REPO, assert_one_line_error, cpu_has_avx512, native_channe
                       script_env)
 from src.errors import UserError
 from src.onednn_conv import BlockedConv2d, channel_block, resolve_conv_implementation
-from src.resnet import conv_bn, conv_bn_relu
+from src.resnet import conv_bn, conv_bn_add_relu, conv_bn_relu
 
 
 # (in, out, kernel, stride, padding, input size): every kind of convolution in the ResNets.
@@ -229,16 +229,22 @@ def test_build_without_a_compiler_installs_and_records_why(tmp_path):
 
 
 def conv_batchnorm_results(conv: nn.Conv2d, bn: nn.BatchNorm2d, x: np.ndarray, upstream: np.ndarray,
-                           blocked: bool = False, relu: bool = False):
+                           blocked: bool = False, relu: bool = False, identity: Optional[np.ndarray] = None):
     """y, the moving statistics after one training forward, and the gradients of (y * upstream).sum() for x,
-    the weights, gamma and beta: through conv_bn (relu: conv_bn_relu), as the ResNet blocks call it (blocked: on
-    channel blocks, as a training step of ResNet does, reordered from and to the plain layout around it)."""
+    the weights, gamma and beta (and the identity, where given): through conv_bn (relu: conv_bn_relu; with an
+    identity conv_bn_add_relu), as the ResNet blocks call it (blocked: on channel blocks, as a training step of
+    ResNet does, reordered from and to the plain layout around it)."""
     from src.onednn_conv import ChannelBlocks
     bn.set_train(True)
     conv.set_train(True)
     to_blocks, from_blocks = ChannelBlocks(True), ChannelBlocks(False)
 
-    def forward(images):
+    def forward(images, residual=None):
+        if residual is not None:
+            if blocked:
+                return from_blocks(conv_bn_add_relu(conv, bn, nn.ReLU(), to_blocks(images), to_blocks(residual),
+                                                    True))
+            return conv_bn_add_relu(conv, bn, nn.ReLU(), images, residual)
         if relu:
             if blocked:
                 return from_blocks(conv_bn_relu(conv, bn, nn.ReLU(), to_blocks(images), True))
@@ -247,14 +253,15 @@ def conv_batchnorm_results(conv: nn.Conv2d, bn: nn.BatchNorm2d, x: np.ndarray, u
             return from_blocks(conv_bn(conv, bn, to_blocks(images), True))
         return conv_bn(conv, bn, images)
 
-    def objective(images):
-        return (forward(images) * ms.Tensor(upstream)).sum()
-    grad_fn = ms.grad(objective, grad_position=0, weights=[conv.weight, bn.gamma, bn.beta])
-    dx, (dw, dgamma, dbeta) = grad_fn(ms.Tensor(x))
+    def objective(images, *residual):
+        return (forward(images, *residual) * ms.Tensor(upstream)).sum()
+    inputs = [ms.Tensor(x)] + ([] if identity is None else [ms.Tensor(identity)])
+    grad_fn = ms.grad(objective, grad_position=tuple(range(len(inputs))), weights=[conv.weight, bn.gamma, bn.beta])
+    input_gradients, (dw, dgamma, dbeta) = grad_fn(*inputs)
     start = [bn.moving_mean.asnumpy(), bn.moving_variance.asnumpy()]  # the gradient's forward moved them once
-    y = forward(ms.Tensor(x)).asnumpy()
-    return [y, bn.moving_mean.asnumpy(), bn.moving_variance.asnumpy(), dx.asnumpy(), dw.asnumpy(), dgamma.asnumpy(),
-            dbeta.asnumpy()], start
+    y = forward(*inputs).asnumpy()
+    return [y, bn.moving_mean.asnumpy(), bn.moving_variance.asnumpy(), input_gradients[0].asnumpy(), dw.asnumpy(),
+            dgamma.asnumpy(), dbeta.asnumpy()] + [gradient.asnumpy() for gradient in input_gradients[1:]], start
 
 
 # Cases of the fused convolution + BatchNorm on channel blocks. h 2 at stride 1 and padding 1: every output pixel
@@ -264,9 +271,10 @@ def conv_batchnorm_results(conv: nn.Conv2d, bn: nn.BatchNorm2d, x: np.ndarray, u
 BLOCKED_CASES = [(64, 64, 3, 1, 1, 8), (64, 128, 3, 1, 1, 2), (256, 256, 3, 1, 1, 2), (128, 128, 3, 2, 1, 4),
                  (256, 1024, 1, 1, 0, 2), (32, 48, 3, 1, 1, 7)]
 # The forward and the input gradient run F(4x4, 3x3) where their products are large (tiles x in x out at least 2^23,
-# as ResNet-50's 3x3 layers at 224x224), and with AVX-512 the weight gradient too: at batch 28, 448 tiles of 4x4, the
-# 15x15 maps' last ones cut; 144 input channels leave the weight gradient's products one panel unpaired.
-LARGE_WINOGRAD_CASE, LARGE_WINOGRAD_BATCH = (144, 160, 3, 1, 1, 15), 28
+# as ResNet-50's 3x3 layers at 224x224), and with AVX-512 the weight gradient too: at batch 30, 480 tiles of 4x4, the
+# 15x15 maps' last ones cut; 144 input channels leave the weight gradient's products one panel unpaired. Its output,
+# 1,080,000 numbers, is past kFusedBatchNormNumbers: as a residual block's end it runs the native BatchNorm.
+LARGE_WINOGRAD_CASE, LARGE_WINOGRAD_BATCH = (144, 160, 3, 1, 1, 15), 30
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[2]}x{c[2]}s{c[3]}p{c[4]}_{c[0]}to{c[1]}_h{c[5]}")
@@ -299,15 +307,31 @@ def test_convolution_with_batchnorm_and_relu_equals_conv2d_batchnorm2d_relu(case
     check_convolution_with_batchnorm(case, mode, False, blocked=blocked, relu=True)
 
 
-def test_convolution_with_batchnorm_on_large_maps_equals_conv2d_then_batchnorm2d():
+# offset: added to the input, so that each channel's mean of the convolution's output is many times its spread
+# (6300 values a channel), where BatchNorm's variance from plain sums of squares would lose its digits to
+# cancellation.
+@pytest.mark.parametrize("residual", [False, True], ids=["", "add_relu"])
+@pytest.mark.parametrize("offset", [0.0, 40.0], ids=["", "offset"])
+def test_convolution_with_batchnorm_on_large_maps_equals_conv2d_then_batchnorm2d(residual, offset):
     """The same on channel blocks for a 3x3 layer whose Winograd products are as large as ResNet-50's at 224x224
-    (its forward and gradients as F(4x4, 3x3) with AVX-512, in the uncapped rerun)."""
+    (its forward and gradients as F(4x4, 3x3) with AVX-512, in the uncapped rerun); also as a residual block's end,
+    and on inputs far from zero."""
     check_convolution_with_batchnorm(LARGE_WINOGRAD_CASE, ms.PYNATIVE_MODE, False, blocked=True,
-                                     batch=LARGE_WINOGRAD_BATCH)
+                                     batch=LARGE_WINOGRAD_BATCH, residual=residual, offset=offset)
+
+
+@pytest.mark.parametrize("case", BLOCKED_CASES, ids=lambda c: f"{c[2]}x{c[2]}s{c[3]}p{c[4]}_{c[0]}to{c[1]}_h{c[5]}")
+@pytest.mark.parametrize("mode", [pytest.param(ms.GRAPH_MODE, marks=pytest.mark.slow), ms.PYNATIVE_MODE],
+                         ids=["graph", "pynative"])
+def test_convolution_with_batchnorm_add_relu_equals_conv2d_batchnorm2d_add_relu(case, mode):
+    """A residual block's end on channel blocks, relu(bn(conv(x)) + identity) in one native call, gives nn.Conv2d +
+    nn.BatchNorm2d + add + nn.ReLU's output, moving statistics and gradients, the identity's too. These outputs are
+    small: oneDNN's BatchNorm, then AddRelu's pass (the large-maps case runs the native BatchNorm)."""
+    check_convolution_with_batchnorm(case, mode, False, blocked=True, residual=True)
 
 
 def check_convolution_with_batchnorm(case, mode, deferred: bool, blocked: bool, relu: bool = False,
-                                     batch: int = 4) -> None:
+                                     batch: int = 4, residual: bool = False, offset: float = 0.0) -> None:
     ms.set_context(mode=mode)
     ci, co, k, s, p, h = case
     plain, native = conv_pair(ci, co, k, s, p)
@@ -322,14 +346,27 @@ def check_convolution_with_batchnorm(case, mode, deferred: bool, blocked: bool, 
         values = ms.Tensor(rng.uniform(0.5, 1.5, co).astype(np.float32))
         for bn in norms:
             getattr(bn, name).set_data(values.copy())
-    x = rng.standard_normal((batch, ci, h, h)).astype(np.float32)
+    x = rng.standard_normal((batch, ci, h, h)).astype(np.float32) + np.float32(offset)
     out_h = (h + 2 * p - k) // s + 1
     upstream = rng.standard_normal((batch, co, out_h, out_h)).astype(np.float32)
-    expected, expected_start = conv_batchnorm_results(plain, norms[0], x, upstream, relu=relu)
-    actual, actual_start = conv_batchnorm_results(native, norms[1], x, upstream, blocked, relu)
+    identity = None
+    if residual:
+        identity = rng.standard_normal(upstream.shape).astype(np.float32)
+        # Where bn(conv(x)) + identity is within rounding of zero, the ReLU's decision (and so the gradient there) is
+        # the rounding's: a large case has a few such numbers among a million. The gradient is taken where it is
+        # not (upstream 0 there), with the sums from a BatchNorm of its own, so that the two compared keep their
+        # moving statistics.
+        probe = nn.BatchNorm2d(co, eps=1e-5, momentum=0.9)
+        for name in ("gamma", "beta", "moving_mean", "moving_variance"):
+            getattr(probe, name).set_data(getattr(norms[0], name).value().copy())
+        probe.set_train(True)
+        sums = probe(plain(ms.Tensor(x))).asnumpy() + identity
+        upstream[np.abs(sums) < 1e-4] = 0.0
+    expected, expected_start = conv_batchnorm_results(plain, norms[0], x, upstream, relu=relu, identity=identity)
+    actual, actual_start = conv_batchnorm_results(native, norms[1], x, upstream, blocked, relu, identity)
     for before, after in zip(expected_start, actual_start):
         assert rel_diff(after, before) < 1e-5
-    names = ["y", "moving_mean", "moving_variance", "dx", "dw", "dgamma", "dbeta"]
+    names = ["y", "moving_mean", "moving_variance", "dx", "dw", "dgamma", "dbeta", "d_identity"]
     for name, want, got in zip(names, expected, actual):
         assert got.shape == want.shape, name
         # out_h 1 at batch 4: 4 values a channel, so BatchNorm's outputs lose more digits to cancellation.
