@@ -342,6 +342,7 @@ def _relu_gradient_op(library: str) -> ops.Custom:
     return ops.Custom(f"{library}:ReluGradient", lambda dy, y: dy, lambda dy, y: dy, func_type="aot")
 
 
+@functools.lru_cache(maxsize=None)
 def _add_relu_op() -> ops.Custom:
     """relu(a + b) element-wise in one native pass (the residual addition and its ReLU, in any layout), for training;
     the gradient of both inputs, ReLU's gradient, in one more, as bprop."""
@@ -353,18 +354,6 @@ def _add_relu_op() -> ops.Custom:
         return da, da
 
     return ops.Custom(f"{library}:AddRelu", lambda a, b: a, lambda a, b: a, func_type="aot", bprop=bprop)
-
-
-class AddRelu(nn.Cell):
-    """relu(a + b) for two float32 (N, C, H, W) activations of one shape, in one native call (a residual block's end
-    in training, on channel blocks); so is its gradient. MindSpore's Add and ReLU read and write the sum twice."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.op = _add_relu_op()
-
-    def construct(self, a, b):
-        return self.op(a, b)
 
 
 def _symmetric_padding(cell: nn.Conv2d) -> Optional[int]:
@@ -445,8 +434,8 @@ class BlockedConv2d(nn.Conv2d):
         """relu(bn(self(x)) + residual) with x, the residual and the result in channel blocks: a residual block's end
         in a training step. On batch statistics in one native call, as with_batchnorm (the same moving statistics):
         the BatchNorm's statistics, then its normalization with the addition and ReLU, two passes over the
-        convolution's output, where oneDNN's BatchNorm wrote its output and AddRelu read it back. Elsewhere
-        with_batchnorm, then AddRelu."""
+        convolution's output, where oneDNN's BatchNorm wrote its output and the addition read it back. Elsewhere
+        with_batchnorm, then relu(a + b) in one native pass."""
         if (self.batchnorm_add_relu_op is None or x.dtype != ms.float32 or not bn.training
                 or bn.use_batch_statistics is False):
             return _add_relu_op()(self.with_batchnorm(x, bn, BLOCKED, BLOCKED), residual)
