@@ -16,6 +16,8 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from src.process_memory import peak_memory_bytes, reset_peak_memory, return_freed_heap
+
 REPO = Path(__file__).resolve().parents[1]
 GEMM_BACKENDS = ("mindspore", "numpy", "torch")  # ops.matmul (oneDNN), numpy.matmul (OpenBLAS), torch.mm (MKL)
 TRAIN_FLOPS_FACTOR = 3  # forward + backward-data + backward-weights, each about the forward's multiply-adds
@@ -63,27 +65,6 @@ class GemmMeasurement:
     @property
     def gflops_per_second(self) -> float:
         return 2 * self.n ** 3 / statistics.median(self.seconds) / 1e9
-
-
-def reset_peak_memory() -> bool:
-    """Resets this process's peak resident memory (VmHWM) to its current resident memory (Linux's clear_refs 5);
-    False where that can't be done."""
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-    except OSError:
-        return False
-    return True
-
-
-def peak_memory_bytes() -> Optional[int]:
-    """This process's peak resident memory (VmHWM) since it started or since reset_peak_memory; None off Linux."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
 
 
 def warmup_steps(asked: Optional[int], steps: int) -> int:
@@ -290,9 +271,14 @@ def measure_here(framework: str, mode: str, model_name: str, image_size: int, ba
                                                        warmup + repeats * steps, implementation, inference_network,
                                                        recipe, optimizer)
     # The peak resident memory of the timed steps alone, the same way for every framework: the model, its
-    # optimizer state and what a step allocates, not the compilation's or the imports' transient peaks.
+    # optimizer state and what a step allocates, not the compilation's or the imports' transient peaks. The heap
+    # the warm-up freed is handed back first, as train.py does once its step has compiled.
     reset = []
-    timings = _time_steps(run_step, warmup, repeats, steps, finish, lambda: reset.append(reset_peak_memory()))
+
+    def when_warm() -> None:
+        return_freed_heap()
+        reset.append(reset_peak_memory())
+    timings = _time_steps(run_step, warmup, repeats, steps, finish, when_warm)
     peak = peak_memory_bytes() if reset and reset[0] else None
     return Measurement(framework, mode, image_size, batch_size, threads, timings, conv_implementation=implementation,
                        onednn_max_cpu_isa=isa, inference_network=ran_network,

@@ -25,6 +25,7 @@ from src.lr_schedule import schedule_from_config
 from src.metrics_file import MetricsFile
 from src.native_optimizer import NativeAdam, NativeMomentum, NativeNesterovSGD, gradients_in_kernel_layout
 from src.plotting import plot_training_curves
+from src.process_memory import return_freed_heap
 from src.profiling import StepProfiler
 from src.resnet import build_resnet
 from src.train_step import build_train_step, resolve_amp
@@ -164,6 +165,7 @@ class Trainer:
         self.amp = resolve_amp(config, env.device_target, logger)
         self.sink_mode = config.dataset_sink_mode
         self.step = build_train_step(self.net, self.optimizer, config, self.amp, sink=self.sink_mode, ema=self.ema)
+        self.step_compiled = False
         self.device_queue = self.sink_mode and env.device_target != "CPU"
         if self.sink_mode:
             sink = f"sinks of {config.sink_size} steps" if config.sink_size > 0 else "one sink per epoch"
@@ -246,6 +248,9 @@ class Trainer:
                 run_step()
                 self.profiler.step_done()
             loss_sum, skipped = self.step.read_totals()  # the window's only wait for the device
+            if not self.step_compiled:  # this window compiled the step: the compiler's freed heap goes back
+                self.step_compiled = True
+                return_freed_heap()
             self._check_window(loss_sum, skipped, start, end)
             state.epoch_loss_sum += loss_sum
             state.epoch_skipped_steps += skipped
@@ -340,6 +345,7 @@ class Trainer:
             self.ema_inference_net = inference_network(self.ema_net, self.ema_inference_net)
             ema_result = self._evaluate(self.ema_inference_net, " (EMA weights)")
         self.step.train_step.set_train(True)
+        return_freed_heap()  # the first evaluation compiled its network
         return result, ema_result
 
     def _evaluate(self, net: nn.Cell, label: str) -> EvalResult:

@@ -6,12 +6,14 @@ import importlib.util
 import json
 import math
 import os
+import subprocess
+import sys
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
-from conftest import assert_one_line_error, run_script
+from conftest import REPO, assert_one_line_error, run_script
 from src.benchmark import (FLOP_CONVENTION, GemmMeasurement, Measurement, flops_per_image, forward_macs, gemm_rates,
                            measure_gemm_here, measure_in_subprocess, table, to_json)
 
@@ -198,7 +200,7 @@ def test_several_batch_sizes_are_rows_of_their_own():
 def test_peak_memory_is_that_of_the_timed_steps():
     """After a reset the peak is the current resident memory, and it rises with what the process then touches."""
     import mmap
-    from src.benchmark import peak_memory_bytes, reset_peak_memory
+    from src.process_memory import peak_memory_bytes, reset_peak_memory
     import numpy as np
     # The worker may have run bigger tests before this one: start from a reset, or its old peak hides the 400 MB.
     assert reset_peak_memory()
@@ -376,3 +378,32 @@ def test_model_choices_match_the_architectures():
     import benchmark
     from src.resnet import ARCHITECTURES
     assert benchmark.ARCHITECTURES == tuple(ARCHITECTURES)
+
+
+def test_freed_heap_goes_back_to_the_system():
+    """Heap blocks freed below a live one stay resident under glibc; return_freed_heap hands them back. In a fresh
+    process, whose heap no earlier test has shaped."""
+    script = """
+import ctypes, sys
+sys.path.insert(0, sys.argv[1])
+from src.process_memory import return_freed_heap
+
+def resident():
+    return next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith("VmRSS:"))
+libc = ctypes.CDLL(None)
+libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+blocks = [libc.malloc(64 * 1024) for _ in range(3200)]  # 200 MB of blocks under the mmap threshold: the heap
+pin = libc.malloc(64 * 1024)  # keeps the heap's top from shrinking when the blocks below it are freed
+for block in blocks:
+    ctypes.memset(block, 1, 64 * 1024)
+for block in blocks:
+    libc.free(block)
+freed = resident()
+print(return_freed_heap(), freed - resident())
+"""
+    result = subprocess.run([sys.executable, "-c", script, str(REPO)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    ran, returned = result.stdout.split()
+    assert ran == "True"
+    assert int(returned) > 150_000_000  # of the 200 MB freed
