@@ -345,7 +345,7 @@ class Trainer:
             self.ema_inference_net = inference_network(self.ema_net, self.ema_inference_net)
             ema_result = self._evaluate(self.ema_inference_net, " (EMA weights)")
         self.step.train_step.set_train(True)
-        return_freed_heap()  # the first evaluation compiled its network
+        return_freed_heap()  # the first evaluation compiled its network; later trims find little and cost little
         return result, ema_result
 
     def _evaluate(self, net: nn.Cell, label: str) -> EvalResult:
