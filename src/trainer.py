@@ -24,7 +24,6 @@ from src.fused_inference import inference_network
 from src.lr_schedule import schedule_from_config
 from src.metrics_file import MetricsFile
 from src.native_optimizer import NativeAdam, NativeMomentum, NativeNesterovSGD, gradients_in_kernel_layout
-from src.plotting import plot_training_curves
 from src.process_memory import return_freed_heap
 from src.profiling import StepProfiler
 from src.resnet import build_resnet
@@ -379,6 +378,9 @@ class Trainer:
             "ema_top1": ema_result.top1 if ema_result else None,
             "ema_top5": ema_result.top5 if ema_result else None,
         })
+        # Imported here, not with the module: matplotlib holds about 25 MB of a process, which the other ranks,
+        # benchmark.py's training step and the first epoch need not carry.
+        from src.plotting import plot_training_curves
         plot_training_curves(self.metrics.rows, str(Path(self.config.output_path) / "training_curves.png"))
         self.logger.info("epoch %d done in %.1f s (train loss %s%s); saved %s%s", state.epoch_num, seconds,
                          "n/a" if train_loss is None else f"{train_loss:.4f}",

@@ -86,6 +86,16 @@ def test_src_keeps_triton_out_of_mindspore_and_torch_runs_without_it():
         assert process.stdout.strip() == expected, process.stderr[-3000:]
 
 
+def test_the_training_modules_leave_matplotlib_unimported():
+    """matplotlib holds about 25 MB of a process: the training loop and benchmark.py's step import it only when a
+    figure is drawn (src.plotting)."""
+    code = ("import sys, src.trainer, src.benchmark, src.evaluation; print('matplotlib' in sys.modules); "
+            "import src.plotting; print('matplotlib' in sys.modules)")
+    process = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=script_env(), capture_output=True, text=True,
+                             timeout=120)
+    assert process.stdout.split() == ["False", "True"], process.stderr[-3000:]
+
+
 @pytest.mark.slow
 def test_eval_reproduces_the_training_evaluation(resnet50_run, cifar_dir, tmp_path):
     out, _ = resnet50_run
