@@ -14,7 +14,7 @@ def main() -> int:
     # Taken before anything is written to output_path (train.log first): a second run there is refused untouched.
     with output_folder_lock(config.output_path, rank):
         logger = get_logger(config.output_path, "train.log", rank_id=rank)
-        env = init_env(config, logger)
+        env = init_env(config, logger, training=True)
         try:
             return run_training(config, env, logger)
         except DiskFullError as full:

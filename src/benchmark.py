@@ -149,9 +149,10 @@ def mindspore_step(mode: str, model_name: str, image_size: int, batch_size: int,
     from src.resnet import build_resnet
     from src.train_step import AmpSetting, build_train_step
     from src.trainer import build_optimizer, native_update_allowed
+    from src.utils import set_execution_mode
 
     ms.set_seed(1)
-    ms.set_context(mode=ms.GRAPH_MODE)
+    set_execution_mode(True, "CPU", training=mode == "train")  # as train.py's and eval.py's processes run
     config = load_config(OPTIMIZERS[optimizer][0], prog="benchmark.py")
     net = build_resnet(model_name, config.class_num, conv_implementation=conv_implementation,
                        blocked_activations="-plain" not in recipe)

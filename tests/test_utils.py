@@ -73,3 +73,16 @@ def test_cli_refuses_an_unusable_device(cifar_dir, tmp_path):
                                       "--output_path", str(tmp_path)])
     assert_one_line_error(process, "device_target GPU is not usable")
     assert not list(tmp_path.glob("*.ckpt"))
+
+
+def test_training_graphs_on_the_cpu_get_static_memory_planning():
+    """set_execution_mode: a training process's graphs on the CPU compile with memory_optimize_level O1 (ResNet-50's
+    step at 224x224 kept its lower peak), an evaluating process's and other devices' with the default, and PyNative
+    mode is left as MindSpore runs it. In a fresh process: the context is process-wide."""
+    code = ("import mindspore as ms; from src.utils import set_execution_mode\n"
+            "for args in ((True, 'CPU', True), (True, 'CPU', False), (True, 'GPU', True), (False, 'CPU', True)):\n"
+            "    set_execution_mode(*args)\n"
+            "    print(ms.get_context('mode'), ms.get_context('memory_optimize_level'))")
+    process = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    # (mode, level): graph is 0, PyNative 1; the levels read back as 1 (O1) and 0 (O0)
+    assert process.stdout.split("\n")[:4] == ["0 1", "0 0", "0 0", "1 0"], process.stderr[-3000:]
