@@ -24,9 +24,11 @@ from src.resnet import conv_bn, conv_bn_add_relu, conv_bn_relu
 # Input size 1: one-pixel convolutions, which the training path runs as matrix products of the centre tap.
 # Input size 2 at stride 2: one output pixel from a 2x2 map (into layer4 at 32x32), matrix products of the gathered
 # input pixels and the taps they meet (four for 3x3, one for 1x1).
+# 1x1 stride 1 from 256 channels: on AVX2 the fused convolution + BatchNorm runs its input gradient as a forward
+# convolution with the kernels transposed.
 CASES = [(3, 64, 7, 2, 3, 32), (64, 64, 3, 1, 1, 8), (128, 128, 3, 2, 1, 8), (64, 256, 1, 1, 0, 8),
          (256, 512, 1, 2, 0, 8), (512, 512, 3, 1, 1, 1), (512, 256, 1, 1, 0, 1), (64, 128, 3, 2, 1, 1),
-         (64, 128, 3, 2, 1, 2), (128, 256, 1, 2, 0, 2)]
+         (64, 128, 3, 2, 1, 2), (128, 256, 1, 2, 0, 2), (256, 128, 1, 1, 0, 4)]
 
 
 def conv_pair(ci, co, k, s, p):
@@ -125,6 +127,7 @@ print(step(ms.Tensor(np.ones((2, 3, 32, 32), np.float32)), ms.Tensor(np.array([1
 
 
 WINOGRAD_TRAINING_LAYERS = 3
+TRANSPOSED_INPUT_GRADIENT_LAYERS = 23
 
 
 @pytest.mark.parametrize("isa", [None, "AVX2"], ids=["uncapped", "AVX2"])
@@ -151,8 +154,16 @@ def test_oneDNN_runs_training_batchnorm_on_the_convolutions_blocked_output(isa):
     # (Winograd), and on AVX2 their weight gradient too; their forward stays oneDNN's, and so do layer2's (4x4 maps:
     # 8 tiles).
     weight_gradients = WINOGRAD_TRAINING_LAYERS if block == 8 else 0
-    assert kinds == (["backward_data"] * (38 - WINOGRAD_TRAINING_LAYERS)
-                     + ["backward_weights"] * (39 - weight_gradients) + ["forward_training"] * 39)
+    # On AVX2 the input gradients of the 1x1 stride-1 layers with at least 128 input channels run as forward
+    # convolutions with the kernels transposed: layer1's two 256 -> 64, layer2's eight, layer3's twelve and
+    # layer4's first (on a 2x2 map; its others are one-pixel products).
+    transposed = TRANSPOSED_INPUT_GRADIENT_LAYERS if block == 8 else 0
+    assert kinds == (["backward_data"] * (38 - WINOGRAD_TRAINING_LAYERS - transposed)
+                     + ["backward_weights"] * (39 - weight_gradients) + ["forward_training"] * (39 + transposed))
+    for fields in convolutions:
+        channels, kernel, stride = map(int, re.search(r"_ic(\d+)oc\d+_ih\d+oh\d+kh(\d+)sh(\d+)", fields[-2]).groups())
+        if block == 8 and fields[7] == "backward_data" and (kernel, stride) == (1, 1):
+            assert channels < 128, fields
     for fields in convolutions:
         assert "ref" not in fields[6] and (block == 8 or "gemm" not in fields[6]), fields
         assert not re.search(r"oh1k.*ow1k", fields[-2]), fields  # one-pixel outputs are matrix products
