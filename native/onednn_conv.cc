@@ -293,7 +293,10 @@ memory::desc BatchOfOne(const memory::desc &matrix) {
                                                                                 strides[1]});
 }
 
-bool Brgemm(const dnnl::matmul::primitive_desc &pd) { return std::strncmp(pd.impl_info_str(), "brg", 3) == 0; }
+template <typename PrimitiveDesc>
+bool Brgemm(const PrimitiveDesc &pd) {
+  return std::strncmp(pd.impl_info_str(), "brg", 3) == 0;
+}
 
 // An inference matmul with its weights in the layout oneDNN runs fastest: its own choice, except where that is
 // its GEMM without AVX-512, which ran (32 x K) x (K x N) products 1.2-1.8x faster on weights stored as (N, K) rows
@@ -2506,6 +2509,9 @@ struct InferencePlan {
   // A 3x3 convolution run by WinogradConvolution (no primitive) on WinogradWeights (weights_desc: their size): its
   // output tiles' size (2 or 4), or 0 where not.
   int64_t winograd = 0;
+  // A layer on channel blocks run on NHWC copies (NhwcDetourPlan): the primitive reads src_desc and writes dst_desc
+  // (NHWC); the layer's own input and output are reordered from and to these blocked descs. Empty where not.
+  memory::desc blocked_src, blocked_dst;
 };
 
 // One layer of a residual block run in one call (InferenceRuntime::Block).
@@ -2587,6 +2593,14 @@ class InferenceRuntime {
       }
       if (paired) bias = packed.bias->Get(plan.bias_desc.get_size());
     }
+    void *blocked_dst = nullptr;
+    if (!plan.blocked_src.is_zero()) {
+      memory from(plan.blocked_src, engine_, src), to(plan.src_desc, engine_, detour_[0].Get(plan.src_desc.get_size()));
+      dnnl::reorder(from, to).execute(stream_, from, to);
+      src = to.get_data_handle();
+      blocked_dst = dst;
+      dst = detour_[1].Get(plan.dst_desc.get_size());
+    }
     if (!plan.gather_from.is_zero()) {
       memory from(plan.gather_from, engine_, src), columns(plan.gather_to, engine_, columns_.Get(
                                                                 plan.gather_to.get_size()));
@@ -2619,6 +2633,10 @@ class InferenceRuntime {
       args.emplace(DNNL_ARG_ATTR_MULTIPLE_POST_OP(0) | DNNL_ARG_SRC_1, memory(plan.dst_desc, engine_, residual));
     }
     plan.primitive.execute(stream_, args);
+    if (blocked_dst != nullptr) {
+      memory from(plan.dst_desc, engine_, dst), to(plan.blocked_dst, engine_, blocked_dst);
+      dnnl::reorder(from, to).execute(stream_, from, to);
+    }
     stream_.wait();
   }
 
@@ -2689,6 +2707,7 @@ class InferenceRuntime {
     if (auto plan = MatrixProductPlan(shape)) return plans_.emplace(key, std::move(*plan)).first->second;
     if (auto plan = PixelPairsPlan(shape)) return plans_.emplace(key, std::move(*plan)).first->second;
     if (auto plan = WinogradPlan(shape)) return plans_.emplace(key, std::move(*plan)).first->second;
+    if (auto plan = NhwcDetourPlan(shape)) return plans_.emplace(key, std::move(*plan)).first->second;
     memory::desc src(shape.src, memory::data_type::f32, LayoutTag(shape.src_layout));
     memory::desc weights(shape.weights, memory::data_type::f32, tag::any);
     memory::desc bias({shape.weights[0]}, memory::data_type::f32, tag::a);
@@ -2773,6 +2792,33 @@ class InferenceRuntime {
     return plan;
   }
 
+  // A 3x3 stride-2 layer between 8-channel blocks whose output is at most 14 pixels wide (ResNet's downsampling
+  // 3x3 layers at 224x224 but the first, and all of them at 32x32): oneDNN's brgemm kernel on NHWC, the input and
+  // output reordered around it. On these blocks oneDNN has only its direct jit:avx2 kernel for them, which ran them
+  // at 78-116 GFLOP/s; the brgemm kernel with both reorders was 1.24-1.52x faster on ResNet-50's shapes (2 threads,
+  // an ad-hoc timing), and level on the 56x56 input, where the reorders weigh more. Only ReLU or no post-op (the
+  // residual would need a reorder too); nullopt where not, or where oneDNN's choice is not a brgemm kernel.
+  std::optional<InferencePlan> NhwcDetourPlan(const InferenceShape &shape) {
+    const memory::dims &w = shape.weights;
+    const bool geometry = w[2] == 3 && w[3] == 3 && shape.strides == memory::dims{2, 2} && shape.dst[3] <= 14;
+    const bool layouts = ChannelBlock() == 8 && shape.src_layout == Layout::kBlocked &&
+                         shape.dst_layout == Layout::kBlocked && shape.post != PostOp::kAddRelu;
+    if (!geometry || !layouts) return std::nullopt;
+    const auto f32 = memory::data_type::f32;
+    memory::desc src(shape.src, f32, tag::nhwc), dst(shape.dst, f32, tag::nhwc);
+    memory::desc weights(w, f32, tag::any), bias({w[0]}, f32, tag::a);
+    auto pd = dnnl::convolution_forward::primitive_desc(engine_, dnnl::prop_kind::forward_inference,
+                                                        dnnl::algorithm::convolution_direct, src, weights, bias, dst,
+                                                        shape.strides, shape.padding, shape.padding,
+                                                        InferenceAttr(shape.post, dst));
+    if (!Brgemm(pd)) return std::nullopt;
+    InferencePlan plan{dnnl::convolution_forward(pd), src, pd.weights_desc(), bias, dst, pd.scratchpad_desc(), {},
+                       memory::desc(w, f32, tag::oihw), 0};
+    plan.blocked_src = memory::desc(shape.src, f32, LayoutTag(shape.src_layout));
+    plan.blocked_dst = memory::desc(shape.dst, f32, LayoutTag(shape.dst_layout));
+    return plan;
+  }
+
   // src (batch, k) times weights read through `source` (a (k, n) view of them), with bias (1, n) and the post-op,
   // into dst (batch, n): PanelMatmul where PanelKernelsUsable, else oneDNN's matmul (nullopt where that is its
   // reference one).
@@ -2794,6 +2840,7 @@ class InferenceRuntime {
   dnnl::stream &stream_;
   Buffer scratchpad_;
   Buffer columns_, window_;  // gathered input pixels; a window of taps on its way to being packed
+  Buffer detour_[2];         // an NhwcDetourPlan layer's input and output in NHWC
   std::unique_ptr<Buffer[]> winograd_buffers_{new Buffer[2 * static_cast<size_t>(executor_.pool.get_num_threads())]};
   std::mutex block_mutex_;
   Buffer block_buffers_[3];  // a block's intermediate outputs, alternately, and its downsampled shortcut

@@ -230,6 +230,9 @@ PRODUCT_POST_OPS = 3, 13  # the 14 matrix products' additions and ReLUs
 # On blocks (AVX2's or AVX-512's), layer1's three 3x3 layers (8x8 maps: 32 output tiles of 2x2 at batch 2) run
 # natively too (Winograd), with their ReLUs; layer2's (4x4 maps: 8 tiles) stay oneDNN's.
 WINOGRAD_LAYERS = 3
+# On AVX2's 8-channel blocks, the 3x3 stride-2 layers into layer2 and layer3 (layer4's is a matrix product) run
+# oneDNN's brgemm kernel on NHWC, their input and output reordered from and to the blocks.
+NHWC_DETOUR_LAYERS = 2
 
 
 @pytest.mark.parametrize("model_name, size, choice, isa, convolutions, product_post_ops, gathers, additions, relus", [
@@ -251,13 +254,21 @@ def test_oneDNN_log_one_call_per_layer_and_no_reorders_after_the_first_pass(mode
     additions, relus = additions - product_post_ops[0], relus - product_post_ops[1]  # the products' are native
     if choice != "nhwc":  # and on blocks, with AVX-512 too, so do Winograd's layers
         convolutions, relus = convolutions - WINOGRAD_LAYERS, relus - WINOGRAD_LAYERS
+    detours = NHWC_DETOUR_LAYERS if choice != "nhwc" and native_channel_block(isa) == 8 else 0
     executed = onednn_exec_log(["-c", VERBOSE_SCRIPT, model_name, str(size), choice], isa, marker="SECOND PASS")
     kinds = [fields[5] for fields in executed]
     assert kinds.count("convolution") == convolutions and kinds.count("pooling") == 1
     reorders = [fields for fields in executed if fields[5] == "reorder"]
-    assert len(reorders) == gathers
+    assert len(reorders) == gathers + 2 * detours
+    detour_reorders = [fields for fields in reorders if "blocked:acdb:" in fields[8]] if detours else []
+    assert len(detour_reorders) == 2 * detours
+    for fields in detour_reorders:  # a detour's input (8x8, 4x4) into NHWC, its output (4x4, 2x2) back into blocks
+        assert re.fullmatch(r"2x(128x8x8|256x4x4|128x4x4|256x2x2)", fields[-2]), fields
+        assert re.fullmatch(rf"src:f32::blocked:(acdb::f0 dst:f32::blocked:{layout}|{layout}::f0 dst:f32::blocked:acdb)"
+                            "::f0", fields[8]), fields
     for fields in reorders:  # (batch 2, channels, rows, columns): pixels of a 2x2 input, not weights
-        assert re.fullmatch(r"2x\d+x[12]x[12]", fields[-2]) and f"src:f32::blocked:{layout}:" in fields[8], fields
+        if fields not in detour_reorders:
+            assert re.fullmatch(r"2x\d+x[12]x[12]", fields[-2]) and f"src:f32::blocked:{layout}:" in fields[8], fields
     assert "eltwise" not in kinds and "binary" not in kinds and "batch_normalization" not in kinds
     layers = [fields for fields in executed if fields[5] == "convolution"]
     # A layer's matrix product would carry the folded BatchNorm's bias; the classifier's (MindSpore's Dense) does not.
@@ -267,8 +278,13 @@ def test_oneDNN_log_one_call_per_layer_and_no_reorders_after_the_first_pass(mode
         assert fields[7] == "forward_inference", line
         assert "gemm" not in fields[6] and "ref" not in fields[6], line
         source = "abcd" if number == 0 and choice != "nhwc" else layout  # abcd: NCHW
-        assert f"src:f32::blocked:{source}:" in line and f"dst:f32::blocked:{layout}:" in line, line
+        if detours and "kh3sh2" in fields[-2]:
+            assert fields[6].startswith("brg_conv_fwd") and "src:f32::blocked:acdb:" in line, line
+            detours -= 1
+        else:
+            assert f"src:f32::blocked:{source}:" in line and f"dst:f32::blocked:{layout}:" in line, line
         assert "bia:f32" in line, line
+    assert detours == 0
     pooling = ",".join(executed[kinds.index("pooling")])
     assert f"src:f32::blocked:{layout}:" in pooling, pooling
     assert sum("binary_add" in ",".join(fields) for fields in layers) == additions
