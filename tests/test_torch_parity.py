@@ -36,6 +36,7 @@ Run with -s to see the measured numbers.
 import copy
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable, Dict, List, Tuple
 
 import numpy as np
@@ -406,15 +407,34 @@ CASES = [(depth, "mindspore", "imagenet") for depth in DEPTHS] + [
     ("resnet18", "mindspore", "cifar"), ("resnet50", "mindspore", "cifar"), ("resnet18", "onednn_blocked", "cifar")]
 
 
+# The cases measured together, in one new process each: a process pays MindSpore's and torch's imports (about 5 s)
+# once for its group. The shallow networks leave little memory behind; ResNet-101 and -152 get a process each.
+PROCESS_GROUPS = [[case for case in CASES if case[0] in ("resnet18", "resnet34")],
+                  [case for case in CASES if case[0] == "resnet50"],
+                  [case for case in CASES if case[0] == "resnet101"],
+                  [case for case in CASES if case[0] == "resnet152"]]
+assert sorted(case for group in PROCESS_GROUPS for case in group) == sorted(CASES)
+RESULTS: Dict[Tuple[str, str, str], Parity] = {}  # case -> its measurement, as each group is measured
+
+
 def case_id(case) -> str:
     """resnet18, resnet18-onednn_blocked, resnet18-cifar, resnet18-onednn_blocked-cifar."""
     return "-".join(part for part in case if part not in ("mindspore", "imagenet"))
 
 
+def measure_cases(cases: List[Tuple[str, str, str]], folders: List[Path]) -> List[Parity]:
+    return [measure(depth, folder, conv_implementation, stem)
+            for (depth, conv_implementation, stem), folder in zip(cases, folders)]
+
+
 @pytest.fixture(scope="module", params=CASES, ids=case_id)
 def parity(request, tmp_path_factory) -> Parity:
     depth, conv_implementation, stem = request.param
-    result = in_fresh_process(measure, depth, tmp_path_factory.mktemp(depth), conv_implementation, stem)
+    if request.param not in RESULTS:
+        group = next(group for group in PROCESS_GROUPS if request.param in group)
+        folders = [tmp_path_factory.mktemp(case[0]) for case in group]
+        RESULTS.update(zip(map(tuple, group), in_fresh_process(measure_cases, group, folders)))
+    result = RESULTS[request.param]
     label = ", ".join(part for part in (conv_implementation, f"{stem} stem") if part not in ("mindspore", "imagenet stem"))
     MEASURED[f"{depth} ({label})" if label else depth] = {
         "eval logits rel": result.eval_rel,
