@@ -176,6 +176,13 @@ def cpu_has_avx512() -> bool:
     return {"avx512f", "avx512cd", "avx512bw", "avx512vl", "avx512dq"} <= set(flags)
 
 
+def avx2_capped_case(*values: Any, id: str) -> Any:
+    """A parametrized case that caps oneDNN at AVX2 beside an uncapped one: without AVX-512 the two run the same
+    kernels on the same 8-channel blocks, so there it is skipped rather than run twice."""
+    return pytest.param(*values, id=id, marks=pytest.mark.skipif(
+        not cpu_has_avx512(), reason="no AVX-512: the uncapped case runs the same AVX2 kernels"))
+
+
 def native_channel_block(isa: Optional[str]) -> int:
     """The channel block of the native library's blocked layouts with ONEDNN_MAX_CPU_ISA=isa (None: no cap)."""
     return 16 if isa is None and cpu_has_avx512() else 8

@@ -13,8 +13,8 @@ import pytest
 import mindspore as ms
 from mindspore import nn
 
-from conftest import (REPO, assert_one_line_error, cpu_has_avx512, native_channel_block, onednn_exec_log, rel_diff,
-                      script_env)
+from conftest import (REPO, assert_one_line_error, avx2_capped_case, cpu_has_avx512, native_channel_block,
+                      onednn_exec_log, rel_diff, script_env)
 from src.errors import UserError
 from src.onednn_conv import BlockedConv2d, channel_block, resolve_conv_implementation
 from src.resnet import conv_bn, conv_bn_add_relu, conv_bn_relu
@@ -130,7 +130,7 @@ WINOGRAD_TRAINING_LAYERS = 3
 TRANSPOSED_INPUT_GRADIENT_LAYERS = 23
 
 
-@pytest.mark.parametrize("isa", [None, "AVX2"], ids=["uncapped", "AVX2"])
+@pytest.mark.parametrize("isa", [pytest.param(None, id="uncapped"), avx2_capped_case("AVX2", id="AVX2")])
 @pytest.mark.slow
 def test_oneDNN_runs_training_batchnorm_on_the_convolutions_blocked_output(isa):
     """A training step: every BatchNorm runs in oneDNN's jit code on channel blocks (16 with AVX-512, else 8),
