@@ -99,35 +99,20 @@ def pytest_unconfigure(config) -> None:
 # by one process: as separate files they ran at the same time in both processes, and each waited for the other's
 # turn (552 s of waiting in 879 s, in a run of those files and test_train_eval.py).
 MEMORY_HEAVY_FILES = ("test_launchers.py", "test_torch_parity.py", "test_ckpt_reader.py")
-# The longest of the other files, longest first (a whole run on a 2-core Zen 3: 240 s down to 120 s each; the other
-# files took 70 s or less). Started next, so that the short files fill the end of the run in both processes;
-# pytest-xdist's own order, by number of tests, left these for last (test_device_recipe: 12 tests, 240 s).
-LONG_FILES = ("test_device_recipe.py", "test_train_eval.py", "test_onednn_conv.py", "test_benchmark.py",
-              "test_recipes.py", "test_ema.py", "test_convert_pth.py")
-
-
-def unit_rank(path: Path) -> int:
-    """Where a test file's unit of work goes in the run: the memory-heavy files, LONG_FILES in order, the rest."""
-    if path.name in MEMORY_HEAVY_FILES:
-        return 0
-    return 1 + LONG_FILES.index(path.name) if path.name in LONG_FILES else 1 + len(LONG_FILES)
 
 
 def pytest_collection_modifyitems(session, config, items) -> None:
-    """The memory-heavy files first, then LONG_FILES, then the rest (each file's tests stay together and in order):
-    the longest units of work start first, so that short ones fill the rest of the run in both processes."""
-    items.sort(key=lambda item: unit_rank(item.path))
+    """The memory-heavy files first (each file's tests stay together and in order): the longest unit of work
+    starts first, so the other process's files fill the rest of the run."""
+    items.sort(key=lambda item: item.path.name not in MEMORY_HEAVY_FILES)
 
 
 @pytest.hookimpl(tryfirst=True, optionalhook=True)  # optional: pytest without xdist runs too
 def pytest_xdist_make_scheduler(config, log):
-    """--dist loadfile with the memory-heavy files as one unit, handed out in the collection's order
-    (pytest_collection_modifyitems) instead of pytest-xdist's by number of tests; any other --dist as pytest-xdist
-    makes it."""
+    """--dist loadfile with the memory-heavy files as one unit; any other --dist as pytest-xdist makes it."""
     if config.getvalue("dist") != "loadfile":
         return None
     from xdist.scheduler import LoadFileScheduling
-    config.option.loadscopereorder = False  # what --no-loadscope-reorder sets
 
     class MemoryHeavyFilesTogether(LoadFileScheduling):
         def _split_scope(self, nodeid: str) -> str:
