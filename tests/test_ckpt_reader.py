@@ -166,7 +166,7 @@ def memfree():  # what MindSpore 2.10 compares a checkpoint's size with
 
 # Fill the page cache by reading a sparse file as large as the machine's memory. It stays until the end:
 # deleting it would empty the cache it filled. sendfile to /dev/null reads it into the cache without copying it
-# out to Python (24 GB on a 2-core Zen 3: 21-35 s, against 49-56 s with read()).
+# out to Python (24 GB on a 2-core Zen 3: 21-45 s, against 49-56 s with read()).
 size = os.sysconf('SC_PHYS_PAGES') * os.sysconf('SC_PAGE_SIZE')
 with open({sparse!r}, 'wb') as handle:
     handle.truncate(size)

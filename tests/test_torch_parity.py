@@ -409,10 +409,8 @@ CASES = [(depth, "mindspore", "imagenet") for depth in DEPTHS] + [
 
 # The cases measured together, in one new process each: a process pays MindSpore's and torch's imports (about 5 s)
 # once for its group. The shallow networks leave little memory behind; ResNet-101 and -152 get a process each.
-PROCESS_GROUPS = [[case for case in CASES if case[0] in ("resnet18", "resnet34")],
-                  [case for case in CASES if case[0] == "resnet50"],
-                  [case for case in CASES if case[0] == "resnet101"],
-                  [case for case in CASES if case[0] == "resnet152"]]
+PROCESS_GROUPS = [[case for case in CASES if case[0] in depths]
+                  for depths in (("resnet18", "resnet34"), ("resnet50",), ("resnet101",), ("resnet152",))]
 assert sorted(case for group in PROCESS_GROUPS for case in group) == sorted(CASES)
 RESULTS: Dict[Tuple[str, str, str], Parity] = {}  # case -> its measurement, as each group is measured
 
@@ -433,7 +431,7 @@ def parity(request, tmp_path_factory) -> Parity:
     if request.param not in RESULTS:
         group = next(group for group in PROCESS_GROUPS if request.param in group)
         folders = [tmp_path_factory.mktemp(case[0]) for case in group]
-        RESULTS.update(zip(map(tuple, group), in_fresh_process(measure_cases, group, folders)))
+        RESULTS.update(zip(group, in_fresh_process(measure_cases, group, folders)))
     result = RESULTS[request.param]
     label = ", ".join(part for part in (conv_implementation, f"{stem} stem") if part not in ("mindspore", "imagenet stem"))
     MEASURED[f"{depth} ({label})" if label else depth] = {
