@@ -6,6 +6,7 @@ import contextlib
 import logging
 import os
 import shutil
+import sys
 import tempfile
 from dataclasses import dataclass
 from typing import Iterator, List, Optional, Tuple, Union
@@ -206,21 +207,26 @@ _REWRITE_HOME: List[str] = []  # the process's private folder for MindSpore's re
 
 @contextlib.contextmanager
 def _rewrite_folder() -> Iterator[None]:
-    """Runs the block in a private temporary folder, removed when the process exits.
+    """Runs the block in a private temporary folder, removed when the process exits, and gives sys.path back as
+    the block found it.
 
     MindSpore's O1 mixed precision rewrites the network into Python source that it writes to
     ./rewritten_network/ in the current folder and imports from there (graph compilation reads it again later),
     which would leave files in the user's folder. Nothing else reads a relative path while the step is built.
+    The rewritten source puts the folders of the network's modules (src/, mindspore/nn/layer) first on sys.path,
+    where a later top-level import would find src/benchmark.py for `import benchmark`; the modules it imported
+    stay loaded, so compiling it needs none of those entries.
     """
     if not _REWRITE_HOME:
         _REWRITE_HOME.append(tempfile.mkdtemp(prefix="resnet-amp-rewrite-"))
         atexit.register(shutil.rmtree, _REWRITE_HOME[0], True)
-    previous = os.getcwd()
+    previous, previous_path = os.getcwd(), list(sys.path)
     os.chdir(_REWRITE_HOME[0])
     try:
         yield
     finally:
         os.chdir(previous)
+        sys.path[:] = previous_path
 
 
 def build_train_step(net: nn.Cell, optimizer: nn.Optimizer, config, amp: AmpSetting, sink: bool = False,

@@ -3,6 +3,7 @@ data sink's windows, checkpoints every N steps and a kill -9 in mid-epoch."""
 import json
 import re
 import signal
+import sys
 from pathlib import Path
 from typing import Optional
 
@@ -106,7 +107,8 @@ def test_a_float32_checkpoint_resumes_with_loss_scaling_from_the_configured_scal
 @pytest.mark.parametrize("level, folders", [("O0", 0), ("O1", 1)])
 def test_only_mixed_precision_makes_a_folder_for_mindspores_rewrite(level, folders, monkeypatch):
     """The private folder for MindSpore's rewritten network is made where a level rewrites it, not for float32:
-    a run killed before its exit handlers ran would leave it in the temporary folder."""
+    a run killed before its exit handlers ran would leave it in the temporary folder. sys.path comes back as it
+    was: the rewrite had put src/ first, where `import benchmark` found src/benchmark.py."""
     import mindspore as ms
     from src import train_step
     from src.resnet import build_resnet
@@ -114,8 +116,10 @@ def test_only_mixed_precision_makes_a_folder_for_mindspores_rewrite(level, folde
     monkeypatch.setattr(train_step, "_REWRITE_HOME", made)
     net = build_resnet("resnet18", 10, conv_implementation="mindspore")
     level_setting = train_step.AmpSetting(level, None if level == "O0" else 1024.0)
+    path_before = list(sys.path)
     train_step.build_train_step(net, ms.nn.SGD(net.trainable_params(), 0.01), load_config([]), level_setting)
     assert len(made) == folders
+    assert sys.path == path_before
 
 
 def test_blocked_convolutions_refuse_float16_and_auto_falls_back():
