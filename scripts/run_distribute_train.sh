@@ -82,6 +82,8 @@ if [[ -n "${RANK_TABLE_FILE:-}" ]]; then MSRUN_ARGS+=(--rank_table_file="$RANK_T
 put_python_first_on_path
 trap 'rm -rf "$SHIM_DIR"' EXIT
 export RESNET_SHIM_DIR="$SHIM_DIR"  # scripts/msrun_node.py removes it if this launcher is killed (no EXIT trap then)
+# This node's workers share its CPUs (src/onednn_conv.py native_thread_count); msrun tells them only the job's total.
+export RESNET_LOCAL_WORKERS="$DEVICE_NUM"
 
 # Ctrl-C/SIGTERM: msrun's own handler SIGKILLs the workers and exits 0, losing the interrupted checkpoint.
 # So msrun runs in its own session (a terminal's Ctrl-C reaches only this script), and this script asks

@@ -65,12 +65,16 @@ def usable_library() -> str:
 def native_thread_count() -> int:
     """Threads the native convolutions should use: OMP_NUM_THREADS as the process was started with (os.environ
     keeps that value; MindSpore sets the C-level variable to 1 when it loads), else the CPUs this process may
-    run on, shared among the msrun workers (MS_WORKER_NUM) of a single-machine CPU job."""
+    run on, shared among the msrun workers of its machine: RESNET_LOCAL_WORKERS, which the launcher sets to this
+    node's worker count, else msrun's MS_WORKER_NUM, which counts every node's workers (a single-machine job
+    started with msrun by hand)."""
     requested = os.environ.get("OMP_NUM_THREADS", "")
     if requested.isdigit() and int(requested) > 0:
         return int(requested)
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    workers = os.environ.get("MS_WORKER_NUM", "") if os.environ.get("MS_ROLE") == "MS_WORKER" else ""
+    workers = ""
+    if os.environ.get("MS_ROLE") == "MS_WORKER":
+        workers = os.environ.get("RESNET_LOCAL_WORKERS") or os.environ.get("MS_WORKER_NUM", "")
     return max(1, cpus // int(workers)) if workers.isdigit() and int(workers) > 0 else cpus
 
 

@@ -291,14 +291,17 @@ def test_oneDNN_log_one_call_per_layer_and_no_reorders_after_the_first_pass(mode
 
 
 def test_native_thread_count_follows_the_user_setting(monkeypatch):
+    monkeypatch.delenv("RESNET_LOCAL_WORKERS", raising=False)
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     assert native_thread_count() == 3
     monkeypatch.delenv("OMP_NUM_THREADS")
     cpus = len(os.sched_getaffinity(0))
     assert native_thread_count() == cpus
     monkeypatch.setenv("MS_ROLE", "MS_WORKER")
-    monkeypatch.setenv("MS_WORKER_NUM", "2")
+    monkeypatch.setenv("MS_WORKER_NUM", "2")  # msrun by hand: the job's workers, taken as one machine's
     assert native_thread_count() == max(1, cpus // 2)
+    monkeypatch.setenv("RESNET_LOCAL_WORKERS", "1")  # the launcher: this node's one worker of the two
+    assert native_thread_count() == cpus
 
 
 THREADS_SCRIPT = """
