@@ -128,6 +128,11 @@ from pathlib import Path
 from src.weights.files import read_ckpt
 from src.errors import UserError
 import mindspore  # src.weights.files loads it on first use: load it (after src, which quiets its log) before the cap
+# One read before the cap loads every module the reader imports on first use and starts the threads MindSpore
+# starts with its first tensors: under the cap, only the checkpoint's own memory is asked for. (Without .pyc files,
+# with PYTHONDONTWRITEBYTECODE=1 in a virtualenv installed without byte-compiling, the capped run had ended
+# in 'Resource temporarily unavailable' and a fatal error instead of the MemoryError.)
+assert len(read_ckpt(Path({path!r}))) == 4
 vm = int([l for l in open('/proc/self/status') if l.startswith('VmSize')][0].split()[1]) * 1024
 resource.setrlimit(resource.RLIMIT_AS, (vm + 32 * 1024 * 1024, resource.RLIM_INFINITY))
 try:
