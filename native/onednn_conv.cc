@@ -528,7 +528,9 @@ void FoldPixelPairs(const PixelPairs &pairs, const float *matrix_gradient, float
 }
 
 // Primitive and layouts for one convolution shape and direction, created once.
-enum class PostOp { kNone, kRelu, kAddRelu };
+// kAccumulateRelu: dst = ReLU(dst + conv(x) + bias), the residual being dst's own content (a stage's running
+// activation, StageInference), which saves kAddRelu's read of a separate residual and its separate output stream.
+enum class PostOp { kNone, kRelu, kAddRelu, kAccumulateRelu };
 
 // Inference's matrix products of a batch with large weights (AVX-512 too: PanelKernelsUsable): (m, k) rows times
 // (k, n) weights, plus a bias per column, then the post-op. oneDNN's only AVX2 matmul is its GEMM, which packs the
@@ -707,10 +709,13 @@ void PanelRowBlock(int64_t rows, const float *a, int64_t lda, const float *panel
 }
 
 // Panel p's 16 columns of c (m, n) = a (m, k) x panels, over every row block and slice of k; where bias is given,
-// plus the bias [+ residual (m, n)] and the post-op on the last slice.
+// plus the bias [+ residual (m, n)] and the post-op on the last slice. With kAccumulateRelu the first slice adds to
+// c's content (the residual) instead.
 void PanelColumns(int64_t p, int64_t m, int64_t k, int64_t n, const float *a, const float *panels, const float *bias,
                   const float *residual, PostOp post, float *c) {
   const int64_t column = p * kPanelColumns, block = PanelRowsAtOnce();
+  const bool accumulate = post == PostOp::kAccumulateRelu;
+  if (accumulate) residual = nullptr;
   for (int64_t start = 0; start < k; start += kPanelSlice) {
     const int64_t depth = std::min(kPanelSlice, k - start);
     const float *panel = panels + (p * k + start) * kPanelColumns;
@@ -719,7 +724,7 @@ void PanelColumns(int64_t p, int64_t m, int64_t k, int64_t n, const float *a, co
                                    post != PostOp::kNone};
       const PanelEpilogue *last = bias != nullptr && start + depth == k ? &epilogue : nullptr;
       PanelRowBlock(std::min(block, m - row), a + row * k + start, k, panel, depth, c + row * n + column, n,
-                    start == 0, last);
+                    start == 0 && !accumulate, last);
     }
   }
 }
@@ -785,10 +790,13 @@ void PanelPairRowBlock(int64_t rows, const float *a, int64_t lda, const float *p
 }
 
 // Panels p and p + 1 of c (m, n) = a (m, k) x panels, with AVX-512; where bias is given, plus the bias [+ residual
-// (m, n)] and the post-op on the last slice (inference's products; the Winograd products have none).
+// (m, n)] and the post-op on the last slice (inference's products; the Winograd products have none); with
+// kAccumulateRelu the first slice adds to c's content.
 void PanelColumnPair(int64_t p, int64_t m, int64_t k, int64_t n, const float *a, const float *panels,
                      const float *bias, const float *residual, PostOp post, float *c) {
   const int64_t column = p * kPanelColumns;
+  const bool accumulate = post == PostOp::kAccumulateRelu;
+  if (accumulate) residual = nullptr;
   for (int64_t start = 0; start < k; start += kPanelSlice) {
     const int64_t depth = std::min(kPanelSlice, k - start);
     const float *panel = panels + (p * k + start) * kPanelColumns, *next = panel + k * kPanelColumns;
@@ -798,7 +806,8 @@ void PanelColumnPair(int64_t p, int64_t m, int64_t k, int64_t n, const float *a,
       const PanelEpilogue epilogue{bias ? bias + column : nullptr, residual ? residual + row * n + column : nullptr, n,
                                    post != PostOp::kNone};
       const PanelEpilogue *last = bias != nullptr && start + depth == k ? &epilogue : nullptr;
-      PanelPairRowBlock(std::min<int64_t>(12, m - row), rows, k, panel, next, depth, out, n, start == 0, last);
+      PanelPairRowBlock(std::min<int64_t>(12, m - row), rows, k, panel, next, depth, out, n,
+                        start == 0 && !accumulate, last);
     }
   }
 }
@@ -2456,6 +2465,7 @@ tag LayoutTag(Layout layout) {
 dnnl::primitive_attr InferenceAttr(PostOp post, const memory::desc &dst) {
   dnnl::post_ops post_ops;
   if (post == PostOp::kAddRelu) post_ops.append_binary(dnnl::algorithm::binary_add, dst);
+  if (post == PostOp::kAccumulateRelu) post_ops.append_sum(1.f);
   if (post != PostOp::kNone) post_ops.append_eltwise(dnnl::algorithm::eltwise_relu, 0.f, 0.f);
   dnnl::primitive_attr attr;
   attr.set_post_ops(post_ops);
@@ -2514,13 +2524,19 @@ struct InferencePlan {
   memory::desc blocked_src, blocked_dst;
 };
 
-// One layer of a residual block run in one call (InferenceRuntime::Block).
+// One layer of a residual block run in a stage's call (InferenceRuntime::Stage).
 struct BlockLayer {
   void *weights;
   memory::dims weights_dims;  // OIHW
   WeightsKey key;
   void *bias;
   int64_t stride, padding;
+};
+
+// A residual block: its main branch's layers in order, then its downsample layer where it has one.
+struct StageBlock {
+  std::vector<BlockLayer> layers;
+  bool downsample;
 };
 
 // A layer's output dims (N, C, H, W) from its input's.
@@ -2611,7 +2627,9 @@ class InferenceRuntime {
       const memory::dims &dims = shape.src;
       WinogradConvolution(executor_.pool, {dims[0], dims[1], shape.weights[0], dims[2], dims[3], plan.winograd},
                           static_cast<const float *>(src), static_cast<const float *>(kernel_weights.get_data_handle()),
-                          static_cast<const float *>(bias), static_cast<const float *>(residual),
+                          static_cast<const float *>(bias),
+                          // each output pixel's residual is read just before the pixel is written
+                          static_cast<const float *>(shape.post == PostOp::kAccumulateRelu ? dst : residual),
                           shape.post != PostOp::kNone, static_cast<float *>(dst), winograd_buffers_.get());
       return;
     }
@@ -2640,33 +2658,42 @@ class InferenceRuntime {
     stream_.wait();
   }
 
-  // A residual block in one call: its main branch's layers (ReLU after each but the last, whose post-op adds the
-  // shortcut and then applies ReLU) and, with a downsample layer, the shortcut's convolution of x; all in `layout`.
-  // One call instead of one per layer saves MindSpore's launch of each layer's op and its bookkeeping.
-  // layers[i]: the (weights, weights key, bias) of layer i and its stride and padding; the downsample is last.
-  void Block(Layout layout, const memory::dims &x_dims, void *x, const std::vector<BlockLayer> &layers,
-             bool downsample, void *out) {
-    std::lock_guard<std::mutex> lock(block_mutex_);  // the intermediate buffers are shared by all blocks
-    const int main = static_cast<int>(layers.size()) - (downsample ? 1 : 0);
-    void *identity = x;
-    if (downsample) {
-      const BlockLayer &layer = layers.back();
-      const memory::dims dims = ConvolutionOutput(x_dims, layer);
-      identity = block_buffers_[2].Get(Bytes(dims));
-      Convolution(LayerShape(layout, x_dims, dims, layer, PostOp::kNone), x, layer.weights, layer.key, layer.bias,
-                  nullptr, identity);
-    }
+  // A stage of residual blocks in one call, all in `layout`: each block's main branch (ReLU after each layer but
+  // the last, whose post-op adds the shortcut and then applies ReLU) and, with a downsample layer, the shortcut's
+  // convolution of the block's input. The blocks' outputs all go to `out`, where each block's last layer
+  // accumulates onto the shortcut in place (kAccumulateRelu): a downsampling block's shortcut is written there
+  // first, and the next block's input and residual are that output. Only a first block without a downsample layer
+  // adds x, which MindSpore owns, as a separate residual. One call instead of one per layer or block saves
+  // MindSpore's launch of each op and its bookkeeping.
+  void Stage(Layout layout, const memory::dims &x_dims, void *x, const std::vector<StageBlock> &blocks, void *out) {
+    std::lock_guard<std::mutex> lock(block_mutex_);  // the intermediate buffers are shared by all stages
     memory::dims dims = x_dims;
     void *input = x;
-    for (int i = 0; i < main; ++i) {
-      const BlockLayer &layer = layers[i];
-      const bool last = i == main - 1;
-      const memory::dims next = ConvolutionOutput(dims, layer);
-      void *output = last ? out : block_buffers_[i % 2].Get(Bytes(next));
-      Convolution(LayerShape(layout, dims, next, layer, last ? PostOp::kAddRelu : PostOp::kRelu), input,
-                  layer.weights, layer.key, layer.bias, last ? identity : nullptr, output);
-      input = output;
-      dims = next;
+    for (const StageBlock &block : blocks) {
+      const std::vector<BlockLayer> &layers = block.layers;
+      const int main = static_cast<int>(layers.size()) - (block.downsample ? 1 : 0);
+      void *residual = input;  // a separate residual: x, or the shortcut where out holds the block's input
+      if (block.downsample) {
+        const BlockLayer &layer = layers.back();
+        const memory::dims shortcut_dims = ConvolutionOutput(dims, layer);
+        residual = input == out ? block_buffers_[2].Get(Bytes(shortcut_dims)) : out;
+        Convolution(LayerShape(layout, dims, shortcut_dims, layer, PostOp::kNone), input, layer.weights, layer.key,
+                    layer.bias, nullptr, residual);
+      }
+      const bool accumulate = residual == out;
+      void *layer_input = input;
+      for (int i = 0; i < main; ++i) {
+        const BlockLayer &layer = layers[i];
+        const bool last = i == main - 1;
+        const memory::dims next = ConvolutionOutput(dims, layer);
+        void *output = last ? out : block_buffers_[i % 2].Get(Bytes(next));
+        const PostOp post = !last ? PostOp::kRelu : accumulate ? PostOp::kAccumulateRelu : PostOp::kAddRelu;
+        Convolution(LayerShape(layout, dims, next, layer, post), layer_input, layer.weights, layer.key, layer.bias,
+                    last && !accumulate ? residual : nullptr, output);
+        layer_input = output;
+        dims = next;
+      }
+      input = out;
     }
   }
 
@@ -2802,7 +2829,8 @@ class InferenceRuntime {
     const memory::dims &w = shape.weights;
     const bool geometry = w[2] == 3 && w[3] == 3 && shape.strides == memory::dims{2, 2} && shape.dst[3] <= 14;
     const bool layouts = ChannelBlock() == 8 && shape.src_layout == Layout::kBlocked &&
-                         shape.dst_layout == Layout::kBlocked && shape.post != PostOp::kAddRelu;
+                         shape.dst_layout == Layout::kBlocked &&
+                         (shape.post == PostOp::kNone || shape.post == PostOp::kRelu);
     if (!geometry || !layouts) return std::nullopt;
     const auto f32 = memory::data_type::f32;
     memory::desc src(shape.src, f32, tag::nhwc), dst(shape.dst, f32, tag::nhwc);
@@ -2843,7 +2871,7 @@ class InferenceRuntime {
   Buffer detour_[2];         // an NhwcDetourPlan layer's input and output in NHWC
   std::unique_ptr<Buffer[]> winograd_buffers_{new Buffer[2 * static_cast<size_t>(executor_.pool.get_num_threads())]};
   std::mutex block_mutex_;
-  Buffer block_buffers_[3];  // a block's intermediate outputs, alternately, and its downsampled shortcut
+  Buffer block_buffers_[3];  // a block's intermediate outputs, alternately, and a shortcut that can't go to out
   size_t packed_bytes_ = 0;
   std::map<std::tuple<memory::dims, memory::dims, memory::dims, memory::dims, memory::dims, int, int, int>,
            InferencePlan>
@@ -3164,11 +3192,12 @@ int LaunchInference(PostOp post, int stride, int padding, int nparam, void **par
   });
 }
 
-// params: x, layout (int64: the activations'), geometry (int64: 1 with a downsample layer, else 0; then each
-// layer's stride and padding), then each layer's weights (OIHW), weights key (int64: layer, version) and bias (the
-// main branch in order, then the downsample), then the output.
-int LaunchBlockInference(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes) {
-  const char *what = "onednn_conv block inference";
+// params: x, layout (int64: the activations'), geometry (int64: the count of blocks, then for each block its count
+// of layers, 1 with a downsample layer or else 0, and each layer's stride and padding), then each layer's weights
+// (OIHW), weights key (int64: layer, version) and bias (block by block: the main branch in order, then the
+// downsample), then the output.
+int LaunchStageInference(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes) {
+  const char *what = "onednn_conv stage inference";
   const int count = (nparam - 4) / 3;
   if (nparam < 10 || (nparam - 4) % 3 != 0) {
     std::fprintf(stderr, "%s: expected x, layout, geometry, 3 tensors per layer (2 layers or more) and the output, "
@@ -3184,27 +3213,46 @@ int LaunchBlockInference(int nparam, void **params, int *ndims, int64_t **shapes
   wanted_ndims.push_back(4);
   wanted_dtypes.push_back("float32");
   if (!CheckTensors(what, nparam, nparam, ndims, dtypes, wanted_ndims.data(), wanted_dtypes.data())) return 1;
-  if (shapes[1][0] != 1 || shapes[2][0] != 1 + 2 * count) {
-    std::fprintf(stderr, "%s: the layout must hold 1 number and the geometry %d\n", what, 1 + 2 * count);
+  Layout layout;
+  if (shapes[1][0] != 1) {
+    std::fprintf(stderr, "%s: the layout must hold 1 number\n", what);
     return 1;
   }
-  Layout layout;
   if (!ReadLayout(what, *static_cast<const int64_t *>(params[1]), shapes[0], &layout)) return 1;
+  // The geometry must describe exactly `count` layers in blocks of 2 or more (3 or more with a downsample).
   const int64_t *geometry = static_cast<const int64_t *>(params[2]);
-  std::vector<BlockLayer> layers;
-  for (int i = 0; i < count; ++i) {
-    void **layer = params + 3 + 3 * i;
-    if (shapes[4 + 3 * i][0] != 2) {
-      std::fprintf(stderr, "%s: a weights key must hold 2 numbers (layer, version)\n", what);
-      return 1;
+  const int64_t numbers = shapes[2][0];
+  std::vector<StageBlock> blocks;
+  int64_t at = 1, layer_count = 0;
+  for (int64_t b = 0; numbers >= 1 && b < geometry[0]; ++b) {
+    if (at + 2 > numbers) break;
+    const int64_t layers = geometry[at], downsample = geometry[at + 1];
+    if (layers < 2 + downsample || (downsample != 0 && downsample != 1) || at + 2 + 2 * layers > numbers ||
+        layer_count + layers > count) {
+      break;
     }
-    const int64_t *key = static_cast<const int64_t *>(layer[1]);
-    layers.push_back({layer[0], Dims(shapes[3 + 3 * i]), {key[0], key[1]}, layer[2], geometry[1 + 2 * i],
-                      geometry[2 + 2 * i]});
+    StageBlock block{{}, downsample == 1};
+    for (int64_t i = 0; i < layers; ++i, ++layer_count) {
+      void **layer = params + 3 + 3 * layer_count;
+      if (shapes[4 + 3 * layer_count][0] != 2) {
+        std::fprintf(stderr, "%s: a weights key must hold 2 numbers (layer, version)\n", what);
+        return 1;
+      }
+      const int64_t *key = static_cast<const int64_t *>(layer[1]);
+      block.layers.push_back({layer[0], Dims(shapes[3 + 3 * layer_count]), {key[0], key[1]}, layer[2],
+                              geometry[at + 2 + 2 * i], geometry[at + 3 + 2 * i]});
+    }
+    blocks.push_back(std::move(block));
+    at += 2 + 2 * layers;
+  }
+  if (numbers < 1 || geometry[0] < 1 || static_cast<int64_t>(blocks.size()) != geometry[0] || at != numbers ||
+      layer_count != count) {
+    std::fprintf(stderr, "%s: the geometry (%lld numbers) does not describe the %d layers passed\n", what,
+                 static_cast<long long>(numbers), count);
+    return 1;
   }
   return Guarded(what, [&] {
-    InferenceRuntime::Get().Block(layout, LogicalDims(layout, shapes[0]), params[0], layers, geometry[0] != 0,
-                                  params[nparam - 1]);
+    InferenceRuntime::Get().Stage(layout, LogicalDims(layout, shapes[0]), params[0], blocks, params[nparam - 1]);
   });
 }
 
@@ -3802,10 +3850,10 @@ extern "C" int ReluGradient(int nparam, void **params, int *ndims, int64_t **sha
   return LaunchElementwise("onednn_conv relu gradient", pass, nparam, params, ndims, shapes, dtypes);
 }
 
-// Inference: a residual block in one call (LaunchBlockInference).
-extern "C" int BlockInference(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes, void *,
+// Inference: a stage of residual blocks in one call (LaunchStageInference).
+extern "C" int StageInference(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes, void *,
                               void *) {
-  return LaunchBlockInference(nparam, params, ndims, shapes, dtypes);
+  return LaunchStageInference(nparam, params, ndims, shapes, dtypes);
 }
 
 // ResNet's stem pool (kernel 3, stride 2, padding 1).

@@ -1,10 +1,11 @@
-"""ResNet inference with one oneDNN call per layer, a residual block's in one native call (CPU, when the blocked
-convolutions are in use).
+"""ResNet inference with one oneDNN call per layer, a stage of residual blocks in one native call (CPU, when the
+blocked convolutions are in use).
 
 `inference_network(net)` rebuilds a trained ResNet for inference as a FusedResNet:
 - each BatchNorm is folded into the convolution before it (its running statistics, as inference uses them):
   weights * gamma / sqrt(var + eps), bias beta - mean * gamma / sqrt(var + eps), computed in float64;
-- ReLU and the residual addition run inside the convolution as oneDNN post-ops;
+- ReLU and the residual addition run inside the convolution as oneDNN post-ops, the addition in place on the
+  stage's running activation (FusedStage);
 - either stem (src/resnet.py): conv1 with its BatchNorm and ReLU, then the imagenet stem's max pool natively (the
   cifar stem has none);
 - the torch semantics and any other with symmetric padding (models_zoo ResNet-18/34: only BatchNorm eps differs,
@@ -91,22 +92,28 @@ def _stem_pool_op(layout: int) -> ops.Custom:
 
 
 @functools.lru_cache(maxsize=None)
-def _block_op(layout: int, geometry: Tuple[Tuple[int, int], ...], has_downsample: bool) -> ops.Custom:
-    """A residual block in one native call: x, the layout, the geometry tensor, then (weights, weights key, bias) for
-    each layer (the main branch in order, then the downsample); geometry holds each layer's (stride, padding)."""
+def _stage_op(layout: int, blocks: Tuple[Tuple[bool, Tuple[Tuple[int, int], ...]], ...]) -> ops.Custom:
+    """A stage of residual blocks in one native call: x, the layout, the geometry tensor, then (weights, weights key,
+    bias) for each layer, block by block (the main branch in order, then the downsample). blocks holds each block's
+    (has_downsample, each layer's (stride, padding))."""
     library = usable_library()
-    main = len(geometry) - int(has_downsample)
 
     def output_shape(x_shape, layout_shape, geometry_shape, *layer_shapes):
         n, _, h, w = _image_dims(x_shape, layout)
-        for (stride, padding), weights in zip(geometry[:main], layer_shapes[0:3 * main:3]):
-            h, w = _output_size(h, weights[2], stride, padding), _output_size(w, weights[3], stride, padding)
-        return _shape_in(layout, n, layer_shapes[3 * (main - 1)][0], h, w)
+        weights = layer_shapes[0::3]
+        first = 0
+        for has_downsample, geometry in blocks:
+            main = len(geometry) - int(has_downsample)
+            for (stride, padding), kernel in zip(geometry[:main], weights[first:first + main]):
+                h, w = _output_size(h, kernel[2], stride, padding), _output_size(w, kernel[3], stride, padding)
+            channels = weights[first + main - 1][0]
+            first += len(geometry)
+        return _shape_in(layout, n, channels, h, w)
 
     def output_dtype(x_dtype, *other_dtypes):
         return x_dtype
 
-    return ops.Custom(f"{library}:BlockInference", output_shape, output_dtype, func_type="aot")
+    return ops.Custom(f"{library}:StageInference", output_shape, output_dtype, func_type="aot")
 
 
 def _layouts(*layouts: int) -> ms.Tensor:
@@ -172,26 +179,36 @@ def _block_pairs(block: nn.Cell) -> List[Tuple[nn.Conv2d, nn.BatchNorm2d]]:
     return pairs
 
 
-class FusedBlock(nn.Cell):
-    """A residual block: ReLU convolutions, then the one that adds the shortcut (itself a convolution or x); all
-    activations in layout. The whole block runs in one native call (_block_op): a call per layer cost MindSpore's
-    launch of each op. Its layers' Parameters are the block's own, with no cell per layer: a graph cell's call
-    walks every cell under it before each run (about 2 microseconds a cell)."""
+class FusedStage(nn.Cell):
+    """A stage of residual blocks (one of ResNet's layer1-4): in each, ReLU convolutions, then the one that adds the
+    shortcut (itself a convolution or the block's input); all activations in layout. The whole stage runs in one
+    native call (_stage_op), which keeps the blocks' outputs in the stage's output tensor and adds each block's last
+    convolution onto its shortcut there in place: a call per layer cost MindSpore's launch of each op, and a call per
+    block a separate read of the residual. Its layers' Parameters are the stage's own, with no cell per layer: a
+    graph cell's call walks every cell under it before each run (about 2 microseconds a cell)."""
 
-    def __init__(self, block: nn.Cell, layout: int) -> None:
+    def __init__(self, blocks: nn.Cell, layout: int) -> None:
         super().__init__()
-        self.folded = [FoldedLayer(conv, f"layer{number}") for number, (conv, _) in enumerate(_block_pairs(block))]
-        self.has_downsample = block.downsample is not None
+        self.folded = [FoldedLayer(conv, f"block{index}.layer{number}")
+                       for index, block in enumerate(blocks)
+                       for number, (conv, _) in enumerate(_block_pairs(block))]
         self.weights = ms.ParameterTuple([layer.weight for layer in self.folded])
         self.weights_keys = ms.ParameterTuple([layer.weights_key for layer in self.folded])
         self.biases = ms.ParameterTuple([layer.bias for layer in self.folded])
-        geometry = tuple((layer.stride, layer.padding) for layer in self.folded)
-        self.op = _block_op(layout, geometry, self.has_downsample)
+        geometry, numbers, first = [], [len(blocks)], 0
+        for block in blocks:
+            count = len(_block_pairs(block))
+            layers = tuple((layer.stride, layer.padding) for layer in self.folded[first:first + count])
+            geometry.append((block.downsample is not None, layers))
+            numbers += [count, int(block.downsample is not None), *itertools.chain(*layers)]
+            first += count
+        self.op = _stage_op(layout, tuple(geometry))
         self.layout = _layouts(layout)
-        self.geometry = ms.Tensor(np.array([int(self.has_downsample), *itertools.chain(*geometry)], np.int64))
+        self.geometry = ms.Tensor(np.array(numbers, np.int64))
 
-    def load(self, block: nn.Cell, version: int) -> None:
-        for folded, (conv, bn) in zip(self.folded, _block_pairs(block)):
+    def load(self, blocks: nn.Cell, version: int) -> None:
+        pairs = [pair for block in blocks for pair in _block_pairs(block)]
+        for folded, (conv, bn) in zip(self.folded, pairs):
             folded.load(conv, bn, version)
 
     def construct(self, x):
@@ -227,9 +244,8 @@ class FusedResNet(nn.Cell):
             raise ValueError(why_not_fusable(net))
         self.maxpool = _stem_pool_op(activations) if self.has_maxpool else None
         self.maxpool_layout = _layouts(activations)
-        self.layers = nn.SequentialCell([FusedBlock(block, activations)
-                                         for layer in (net.layer1, net.layer2, net.layer3, net.layer4)
-                                         for block in layer])
+        self.layers = nn.SequentialCell([FusedStage(layer, activations)
+                                         for layer in (net.layer1, net.layer2, net.layer3, net.layer4)])
         self.fc = nn.Dense(net.fc.in_channels, net.fc.out_channels)
         self.load_from(net)
         self.set_train(False)
@@ -238,9 +254,8 @@ class FusedResNet(nn.Cell):
         """Takes net's current weights and BatchNorm statistics (net must have this network's architecture)."""
         version = next(_weights_versions)
         self.conv1.load(net.conv1, net.bn1, version)
-        blocks = [block for layer in (net.layer1, net.layer2, net.layer3, net.layer4) for block in layer]
-        for fused, block in zip(self.layers, blocks):
-            fused.load(block, version)
+        for fused, layer in zip(self.layers, (net.layer1, net.layer2, net.layer3, net.layer4)):
+            fused.load(layer, version)
         self.fc.weight.set_data(net.fc.weight.value().copy())
         self.fc.bias.set_data(net.fc.bias.value().copy())
 

@@ -235,16 +235,20 @@ WINOGRAD_LAYERS = 3
 NHWC_DETOUR_LAYERS = 2
 
 
-@pytest.mark.parametrize("model_name, size, choice, isa, convolutions, product_post_ops, gathers, additions, relus", [
-    pytest.param("resnet50", 32, "auto", None, 39, PRODUCT_POST_OPS, 2, 16, 49, id="resnet50-blocked"),
-    avx2_capped_case("resnet50", 32, "auto", "AVX2", 39, PRODUCT_POST_OPS, 2, 16, 49, id="resnet50-blocked-AVX2"),
-    pytest.param("resnet18", 72, "nhwc", None, 20, (0, 0), 0, 8, 17, id="resnet18-nhwc")])
+# Separate additions: a stage's first block without a downsample layer (ResNet-18's layer1) adds the stage's input
+# as a binary_add post-op; every other block's last layer adds onto the shortcut in place (a sum post-op).
+@pytest.mark.parametrize("model_name, size, choice, isa, convolutions, product_post_ops, gathers, additions, "
+                         "separate_additions, relus", [
+    pytest.param("resnet50", 32, "auto", None, 39, PRODUCT_POST_OPS, 2, 16, 0, 49, id="resnet50-blocked"),
+    avx2_capped_case("resnet50", 32, "auto", "AVX2", 39, PRODUCT_POST_OPS, 2, 16, 0, 49, id="resnet50-blocked-AVX2"),
+    pytest.param("resnet18", 72, "nhwc", None, 20, (0, 0), 0, 8, 1, 17, id="resnet18-nhwc")])
 @pytest.mark.slow
 def test_oneDNN_log_one_call_per_layer_and_no_reorders_after_the_first_pass(model_name, size, choice, isa,
                                                                              convolutions, product_post_ops, gathers,
-                                                                             additions, relus):
+                                                                             additions, separate_additions, relus):
     """oneDNN's own log: one convolution a layer with BatchNorm folded (bias), ReLU and the residual additions as
-    post-ops, none through GEMM or reference kernels, on the chosen layout (channel blocks of 16 with AVX-512,
+    post-ops (in place, as a sum, but where the residual is a stage's input), none through GEMM or reference kernels,
+    on the chosen layout (channel blocks of 16 with AVX-512,
     of 8 under an AVX2 cap; the stem reads the NCHW images there), and no oneDNN matrix product where a layer's
     output map is one pixel or a 2x2 map's pixel pairs: the native panels run those with the same bias and
     post-ops (and large enough 3x3 stride-1 layers on blocks run natively); the second pass reorders no weights,
@@ -286,7 +290,8 @@ def test_oneDNN_log_one_call_per_layer_and_no_reorders_after_the_first_pass(mode
     assert detours == 0
     pooling = ",".join(executed[kinds.index("pooling")])
     assert f"src:f32::blocked:{layout}:" in pooling, pooling
-    assert sum("binary_add" in ",".join(fields) for fields in layers) == additions
+    assert sum("binary_add" in ",".join(fields) for fields in layers) == separate_additions
+    assert sum("post-ops:sum+" in ",".join(fields) for fields in layers) == additions - separate_additions
     assert sum("eltwise_relu" in ",".join(fields) for fields in layers) == relus
 
 
