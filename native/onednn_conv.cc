@@ -411,6 +411,14 @@ bool VectorRuns(const PixelPairs &pairs) {
   return (pairs.x_run == 8 || pairs.x_run == 16) && pairs.taps <= kVectorTaps && StepVectorBits() >= 256;
 }
 
+// Prefetches every cache line of the `bytes` bytes from `start`, by address: a span may begin or end outside its
+// tensor (a prefetch never faults).
+inline void PrefetchSpan(uintptr_t start, uintptr_t bytes) {
+  for (uintptr_t line = start & ~uintptr_t{63}; line < start + bytes; line += 64) {
+    _mm_prefetch(reinterpret_cast<const char *>(line), _MM_HINT_T0);
+  }
+}
+
 // The rows of output channel o of the pairs' matrix, where x_run is one or two AVX2 vectors (the channel blocks of
 // 8 or 16): each run's (channels, taps) weights gathered into vectors per tap, then stored whole to every pair the
 // tap joins (the general loop's memcpy calls of 32 or 64 bytes took up to 2.4 times as long).
@@ -425,10 +433,7 @@ __attribute__((target("avx2"))) void ExpandPairsRuns(const PixelPairs &pairs, co
   for (int64_t run = 0; run < runs; ++run) {
     const float *kernels = weights + (o * pairs.in + run * length) * taps;
     if (o + 1 < pairs.out) {  // the next channel's run: in a step the weights come from memory, not cache
-      const auto next = reinterpret_cast<uintptr_t>(kernels + pairs.in * taps);
-      for (uintptr_t line = next & ~uintptr_t{63}; line < next + length * taps * sizeof(float); line += 64) {
-        _mm_prefetch(reinterpret_cast<const char *>(line), _MM_HINT_T0);
-      }
+      PrefetchSpan(reinterpret_cast<uintptr_t>(kernels + pairs.in * taps), length * taps * sizeof(float));
     }
     for (int64_t t = 0; t < taps; ++t) {
       for (int64_t c = 0; c < length; c += 8) {
@@ -1195,13 +1200,11 @@ __attribute__((target("avx2,fma"))) void WinogradInput4x4(const WinogradShape &s
     const int64_t top = 4 * (tile / s.tile_columns() % s.tile_rows()) - 1, left = 4 * (tile % s.tile_columns()) - 1;
     for (int64_t block = 0; block < blocks; ++block) {
       const float *plane = x + GroupOffset(s.in, s.height, s.width, image, block);
-      // The next tile's new pixels in this block (the 4 columns past this tile's 6: up to 3 cache lines a row):
-      // waiting for the loads of x took half of this function's samples in perf on Zen 3. By address, as the
-      // rows and columns may lie outside the map (a prefetch never faults).
+      // The next tile's new pixels in this block (the 4 columns past this tile's 6; rows and columns may lie
+      // outside the map): waiting for the loads of x took half of this function's samples in perf on Zen 3.
       for (int r = 0; r < 6; ++r) {
-        const uintptr_t ahead = reinterpret_cast<uintptr_t>(plane) +
-                                ((top + r) * s.width + left + 6) * pixel * static_cast<int64_t>(sizeof(float));
-        for (int line = 0; line < 3; ++line) __builtin_prefetch(reinterpret_cast<const void *>(ahead + 48 * line));
+        PrefetchSpan(reinterpret_cast<uintptr_t>(plane) + ((top + r) * s.width + left + 6) * pixel * sizeof(float),
+                     4 * pixel * sizeof(float));
       }
       alignas(32) float t[6][6][kWinogradBlock];  // B^T d: [row of B^T][column of d]
       for (int c = 0; c < 6; ++c) {
@@ -1267,11 +1270,10 @@ __attribute__((target("avx2,fma"))) void WinogradOutput4x4(const WinogradShape &
       const __m256 b = bias != nullptr ? _mm256_loadu_ps(bias + block * kWinogradBlock) : _mm256_setzero_ps();
       const int64_t offset = GroupOffset(s.out, s.height, s.width, image, block);
       // The next tile's pixels in this block (the 4 columns past this tile's): the stores to y, waiting for their
-      // cache lines, took a third of this function's samples in perf on Zen 3. By address, as in WinogradInput4x4.
+      // cache lines, took a third of this function's samples in perf on Zen 3.
       for (int r = 0; r < 4; ++r) {
-        const uintptr_t ahead = reinterpret_cast<uintptr_t>(y) +
-                                (offset + ((top + r) * s.width + left + 4) * pixel) * static_cast<int64_t>(sizeof(float));
-        for (int line = 0; line < 2; ++line) __builtin_prefetch(reinterpret_cast<const void *>(ahead + 64 * line));
+        PrefetchSpan(reinterpret_cast<uintptr_t>(y + offset) + ((top + r) * s.width + left + 4) * pixel * sizeof(float),
+                     4 * pixel * sizeof(float));
       }
       for (int r = 0; r < 4 && top + r < s.height; ++r) {
         __m256 pixels[4];

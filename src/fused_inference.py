@@ -116,6 +116,15 @@ def _stage_op(layout: int, blocks: Tuple[Tuple[bool, Tuple[Tuple[int, int], ...]
     return ops.Custom(f"{library}:StageInference", output_shape, output_dtype, func_type="aot")
 
 
+def _geometry_numbers(blocks: Tuple[Tuple[bool, Tuple[Tuple[int, int], ...]], ...]) -> List[int]:
+    """_stage_op's blocks as the native call reads them: the count of blocks, then for each block its count of
+    layers, 1 with a downsample layer or else 0, and each layer's stride and padding."""
+    numbers = [len(blocks)]
+    for has_downsample, layers in blocks:
+        numbers += [len(layers), int(has_downsample), *itertools.chain(*layers)]
+    return numbers
+
+
 def _layouts(*layouts: int) -> ms.Tensor:
     return ms.Tensor(np.array(layouts, np.int64))
 
@@ -189,22 +198,18 @@ class FusedStage(nn.Cell):
 
     def __init__(self, blocks: nn.Cell, layout: int) -> None:
         super().__init__()
-        self.folded = [FoldedLayer(conv, f"block{index}.layer{number}")
-                       for index, block in enumerate(blocks)
-                       for number, (conv, _) in enumerate(_block_pairs(block))]
+        folded_blocks = [[FoldedLayer(conv, f"block{index}.layer{number}")
+                          for number, (conv, _) in enumerate(_block_pairs(block))]
+                         for index, block in enumerate(blocks)]
+        self.folded = [layer for layers in folded_blocks for layer in layers]
         self.weights = ms.ParameterTuple([layer.weight for layer in self.folded])
         self.weights_keys = ms.ParameterTuple([layer.weights_key for layer in self.folded])
         self.biases = ms.ParameterTuple([layer.bias for layer in self.folded])
-        geometry, numbers, first = [], [len(blocks)], 0
-        for block in blocks:
-            count = len(_block_pairs(block))
-            layers = tuple((layer.stride, layer.padding) for layer in self.folded[first:first + count])
-            geometry.append((block.downsample is not None, layers))
-            numbers += [count, int(block.downsample is not None), *itertools.chain(*layers)]
-            first += count
-        self.op = _stage_op(layout, tuple(geometry))
+        geometry = tuple((block.downsample is not None, tuple((layer.stride, layer.padding) for layer in layers))
+                         for block, layers in zip(blocks, folded_blocks))
+        self.op = _stage_op(layout, geometry)
         self.layout = _layouts(layout)
-        self.geometry = ms.Tensor(np.array(numbers, np.int64))
+        self.geometry = ms.Tensor(np.array(_geometry_numbers(geometry), np.int64))
 
     def load(self, blocks: nn.Cell, version: int) -> None:
         pairs = [pair for block in blocks for pair in _block_pairs(block)]
