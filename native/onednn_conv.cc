@@ -1012,8 +1012,8 @@ bool WinogradUsable(const WinogradShape &s) {
 
 // One 3-tap column (or row) of eight 3x3 kernels through F(4x4, 3x3)'s kernel transform G (6 values each): G's rows
 // (1/4, 0, 0), (-1/6, -1/6, -1/6), (-1/6, 1/6, -1/6), (1/24, 1/12, 1/6), (1/24, -1/12, 1/6), (0, 0, 1), as divisions.
-__attribute__((target("avx2"), always_inline)) inline void KernelTransform8(__m256 w0, __m256 w1, __m256 w2,
-                                                                            __m256 out[6]) {
+__attribute__((target("avx2"), always_inline)) inline void KernelTransform4x4(__m256 w0, __m256 w1, __m256 w2,
+                                                                              __m256 out[6]) {
   const __m256 sign = _mm256_set1_ps(-0.0f), six = _mm256_set1_ps(6.0f);
   const __m256 w0_24 = _mm256_div_ps(w0, _mm256_set1_ps(24.0f)), w1_12 = _mm256_div_ps(w1, _mm256_set1_ps(12.0f));
   const __m256 w2_6 = _mm256_div_ps(w2, six);
@@ -1025,27 +1025,9 @@ __attribute__((target("avx2"), always_inline)) inline void KernelTransform8(__m2
   out[5] = w2;
 }
 
-// Eight 3x3 kernels' F(4x4, 3x3) transforms G g G^T: w[tap][kernel], taps by rows; position p (6x6, by rows) of
-// kernel k to u[p * stride + k]. Eight kernels a vector because the divisions were most of the transform's time, which
-// training spends at every step (scalar: about 2 % of ResNet-50's at 224x224).
-__attribute__((target("avx2"))) void WinogradKernels4x4(const float w[9][8], float *u, int64_t stride) {
-  __m256 t[6][3];  // G g
-  for (int j = 0; j < 3; ++j) {
-    __m256 column[6];
-    KernelTransform8(_mm256_loadu_ps(w[j]), _mm256_loadu_ps(w[3 + j]), _mm256_loadu_ps(w[6 + j]), column);
-    for (int r = 0; r < 6; ++r) t[r][j] = column[r];
-  }
-  for (int r = 0; r < 6; ++r) {
-    __m256 row[6];
-    KernelTransform8(t[r][0], t[r][1], t[r][2], row);
-    for (int c = 0; c < 6; ++c) _mm256_storeu_ps(u + (r * 6 + c) * stride, row[c]);
-  }
-}
-
-// Eight 3x3 kernels' F(2x2, 3x3) transforms G g G^T (G's rows (1, 0, 0), (1/2, 1/2, 1/2), (1/2, -1/2, 1/2), (0, 0, 1)):
-// w[tap][kernel], taps by rows; position p (4x4, by rows) of kernel k to u[p * stride + k]. Eight kernels a vector,
-// as WinogradKernels4x4: the input gradient transforms its weights at every training step, and the scalar loop was
-// 0.5-0.7 % of ResNet-50's step at 32x32 in perf on Zen 3. The same operations in the same order as the scalar one's.
+// The same through F(2x2, 3x3)'s G (4 values each): G's rows (1, 0, 0), (1/2, 1/2, 1/2), (1/2, -1/2, 1/2), (0, 0, 1),
+// with the operations, in their order, of the scalar loop this replaced (the transformed weights are the same to the
+// bit).
 __attribute__((target("avx2"), always_inline)) inline void KernelTransform2x2(__m256 w0, __m256 w1, __m256 w2,
                                                                               __m256 out[4]) {
   const __m256 half = _mm256_set1_ps(0.5f);
@@ -1055,17 +1037,23 @@ __attribute__((target("avx2"), always_inline)) inline void KernelTransform2x2(__
   out[3] = w2;
 }
 
-__attribute__((target("avx2"))) void WinogradKernels2x2(const float w[9][8], float *u, int64_t stride) {
-  __m256 t[4][3];  // G g
+// Eight 3x3 kernels' transforms G g G^T through a kernel transform G of kSide rows (KernelTransform4x4 or
+// KernelTransform2x2): w[tap][kernel], taps by rows; position p (kSide x kSide, by rows) of kernel k to
+// u[p * stride + k]. Eight kernels a vector because training transforms its weights at every step: scalar, F(4x4,
+// 3x3)'s divisions were about 2 % of ResNet-50's step at 224x224, and F(2x2, 3x3)'s loop 0.5-0.7 % of its step at
+// 32x32 (perf on Zen 3).
+template <int kSide, void (*kTransform)(__m256, __m256, __m256, __m256 *)>
+__attribute__((target("avx2"))) void WinogradKernels(const float w[9][8], float *u, int64_t stride) {
+  __m256 t[kSide][3];  // G g
   for (int j = 0; j < 3; ++j) {
-    __m256 column[4];
-    KernelTransform2x2(_mm256_loadu_ps(w[j]), _mm256_loadu_ps(w[3 + j]), _mm256_loadu_ps(w[6 + j]), column);
-    for (int r = 0; r < 4; ++r) t[r][j] = column[r];
+    __m256 column[kSide];
+    kTransform(_mm256_loadu_ps(w[j]), _mm256_loadu_ps(w[3 + j]), _mm256_loadu_ps(w[6 + j]), column);
+    for (int r = 0; r < kSide; ++r) t[r][j] = column[r];
   }
-  for (int r = 0; r < 4; ++r) {
-    __m256 row[4];
-    KernelTransform2x2(t[r][0], t[r][1], t[r][2], row);
-    for (int c = 0; c < 4; ++c) _mm256_storeu_ps(u + (r * 4 + c) * stride, row[c]);
+  for (int r = 0; r < kSide; ++r) {
+    __m256 row[kSide];
+    kTransform(t[r][0], t[r][1], t[r][2], row);
+    for (int c = 0; c < kSide; ++c) _mm256_storeu_ps(u + (r * kSide + c) * stride, row[c]);
   }
 }
 
@@ -1109,9 +1097,9 @@ void WinogradWeights(dnnl::threadpool_interop::threadpool_iface &pool, const flo
             for (int tap = 0; tap < 9; ++tap) w[tap][lane] = kernel(half + lane)[data_gradient ? 8 - tap : tap];
           }
           if (tile == 4) {
-            WinogradKernels4x4(w, &rows[0][half], kPanelColumns);
+            WinogradKernels<6, KernelTransform4x4>(w, &rows[0][half], kPanelColumns);
           } else {
-            WinogradKernels2x2(w, &rows[0][half], kPanelColumns);
+            WinogradKernels<4, KernelTransform2x2>(w, &rows[0][half], kPanelColumns);
           }
         }
         for (int position = 0; position < positions; ++position) {
@@ -1564,7 +1552,7 @@ __attribute__((target("avx2,fma"))) void WinogradGradientKernels(const WinogradS
 
 // F(4x4, 3x3)'s weight gradient on AVX-512's 16-channel blocks: A dY A^T of 4x4 tiles of dY (6x6), A's rows (1, 0,
 // 0, 0), (1, 1, 1, 1), (1, -1, 1, -1), (1, 2, 4, 8), (1, -2, 4, -8), (0, 0, 0, 1) (A^T is the forward's output
-// transform), then dW = G^T m G with G the forward's kernel transform (KernelTransform8).
+// transform), then dW = G^T m G with G the forward's kernel transform (KernelTransform4x4).
 __attribute__((target("avx512f"))) inline void GradientTransform6(const __m512 g[4], __m512 o[6]) {
   const __m512 two = _mm512_set1_ps(2.0f), four = _mm512_set1_ps(4.0f), eight = _mm512_set1_ps(8.0f);
   const __m512 even = _mm512_add_ps(g[0], g[2]), odd = _mm512_add_ps(g[1], g[3]);
