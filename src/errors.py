@@ -27,7 +27,7 @@ def run_cli(main: Callable[[], int]) -> None:
         print("interrupted", file=sys.stderr, flush=True)
         code = 130
     # main() has closed its files and released its lock. Python's last garbage collection at exit would walk every
-    # object MindSpore built (about 1.3 s of a small train.py's exit, docs/testing.md); frozen, they are left to
+    # object MindSpore built (about 1.9 s of a small train.py's exit, docs/testing.md); frozen, they are left to
     # the process's end. atexit handlers (MindSpore's, logging's) still run after this.
     gc.freeze()
     sys.exit(code or 0)
