@@ -13,6 +13,7 @@ from typing import Callable, Optional, Tuple
 
 import mindspore as ms
 from mindspore import nn, ops
+from mindspore.ops import constexpr
 
 from src.errors import UserError
 from src.model_utils.config import CHOICES
@@ -360,6 +361,17 @@ def _add_relu_op() -> ops.Custom:
     return ops.Custom(f"{library}:AddRelu", lambda a, b: a, lambda a, b: a, func_type="aot", bprop=bprop)
 
 
+@constexpr
+def _batchnorm_call_arguments(eps: float, momentum: float, x_layout: int, y_layout: int,
+                              kernel_layout_gradient: bool, relu: bool) -> Tuple[ms.Tensor, ms.Tensor]:
+    """The two small tensors a conv+BatchNorm call takes besides the data: (eps, momentum) as float32, the layouts
+    (x's, y's, the weight gradient's, ReLU) as int64. Made in Python while the graph compiles (constexpr): built
+    inside construct with ms.Tensor and int(), they took a third of a training step's compile time (ResNet-18 and
+    ResNet-50, docs/performance.md)."""
+    return (ms.Tensor([eps, momentum], ms.float32),
+            ms.Tensor([int(x_layout), int(y_layout), int(kernel_layout_gradient), int(relu)], ms.int64))
+
+
 def _symmetric_padding(cell: nn.Conv2d) -> Optional[int]:
     if cell.pad_mode == "valid":
         return 0
@@ -421,12 +433,13 @@ class BlockedConv2d(nn.Conv2d):
         BatchNorm's, a bit a number kept for its gradient), and bn's moving statistics are updated as
         nn.BatchNorm2d updates them: with the unbiased batch variance, bn.momentum being the new batch's weight
         (nn.BatchNorm2d keeps 1 - its momentum argument there). x and y are in channel blocks where x_layout /
-        y_layout say BLOCKED (only in that call: the caller checks runs_batchnorm_itself and trains in float32)."""
+        y_layout say BLOCKED (only in that call: the caller checks runs_batchnorm_itself and trains in float32); a
+        bool says BLOCKED when true, so that graph code passes its flag without an int() to compile."""
         if self.batchnorm_op is None or x.dtype != ms.float32 or not bn.training or bn.use_batch_statistics is False:
             y = bn(self.construct(x))
             return ops.relu(y) if relu else y
-        constants = ms.Tensor([bn.eps, bn.momentum], ms.float32)
-        layouts = ms.Tensor([x_layout, y_layout, int(self.kernel_layout_gradient), int(relu)], ms.int64)
+        constants, layouts = _batchnorm_call_arguments(bn.eps, bn.momentum, x_layout, y_layout,
+                                                       self.kernel_layout_gradient, relu)
         y, _, _, _, moving_mean, moving_variance, _ = self.batchnorm_op(x, self.weight, bn.gamma, bn.beta,
                                                                         bn.moving_mean, bn.moving_variance,
                                                                         constants, layouts)
@@ -443,8 +456,8 @@ class BlockedConv2d(nn.Conv2d):
         if (self.batchnorm_add_relu_op is None or x.dtype != ms.float32 or not bn.training
                 or bn.use_batch_statistics is False):
             return _add_relu_op()(self.with_batchnorm(x, bn, BLOCKED, BLOCKED), residual)
-        constants = ms.Tensor([bn.eps, bn.momentum], ms.float32)
-        layouts = ms.Tensor([BLOCKED, BLOCKED, int(self.kernel_layout_gradient), 0], ms.int64)
+        constants, layouts = _batchnorm_call_arguments(bn.eps, bn.momentum, BLOCKED, BLOCKED,
+                                                       self.kernel_layout_gradient, False)
         y, _, _, _, moving_mean, moving_variance, _ = self.batchnorm_add_relu_op(
             x, self.weight, bn.gamma, bn.beta, bn.moving_mean, bn.moving_variance, constants, layouts, residual)
         ops.assign(bn.moving_mean, moving_mean)

@@ -86,7 +86,7 @@ def conv_bn(conv: nn.Conv2d, bn: nn.BatchNorm2d, x, blocked: bool = False, block
     and the result are in channel blocks (a training step of a network whose convolutions all do); blocked_output,
     where given, says so for the result alone."""
     if hasattr(conv, "with_batchnorm"):
-        return conv.with_batchnorm(x, bn, int(blocked), int(blocked if blocked_output is None else blocked_output))
+        return conv.with_batchnorm(x, bn, blocked, blocked if blocked_output is None else blocked_output)
     return bn(conv(x))
 
 
@@ -110,7 +110,7 @@ def conv_bn_add_relu(conv: nn.Conv2d, bn: nn.BatchNorm2d, relu: nn.Cell, x, iden
 def conv_bn_relu(conv: nn.Conv2d, bn: nn.BatchNorm2d, relu: nn.Cell, x, blocked: bool = False):
     """relu(bn(conv(x))); a convolution that can run its BatchNorm itself runs the ReLU in the same call."""
     if hasattr(conv, "with_batchnorm"):
-        return conv.with_batchnorm(x, bn, int(blocked), int(blocked), True)
+        return conv.with_batchnorm(x, bn, blocked, blocked, True)
     return relu(bn(conv(x)))
 
 
