@@ -4,7 +4,7 @@
 # Sourced, not run.
 
 REPO_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-# MindSpore's C++ log at errors only (it warns about 160 times while compiling a training step), unless the
+# MindSpore's C++ log at errors only (its notices about its own APIs stay out of the logs), unless the
 # user chose a level; exported, so msrun and its workers get it before they import MindSpore.
 export GLOG_v="${GLOG_v:-3}"
 

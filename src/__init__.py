@@ -2,8 +2,8 @@
 
 Importing it does two things before MindSpore is imported (every entry point imports src first):
 - it sets MindSpore's C++ log to errors only (GLOG_v=3) unless the user chose a level: MindSpore reads GLOG_v when it
-  is imported. Without it a training step's compilation prints about 160 '[WARNING] ANALYZER ... side effect nodes'
-  lines;
+  is imported. Without it MindSpore prints its own notices (deprecations of its APIs, a CPU communication
+  default) among the project's log lines;
 - it keeps triton out of the process. MindSpore imports triton wherever it is installed (torch installs it), only to
   let triton kernels take MindSpore tensors; this project runs none, and the import cost every process about 70 MB of
   memory and 60 ms. torch runs without it (on the CPU it uses none). A process that imported triton before src keeps

@@ -440,12 +440,13 @@ class BlockedConv2d(nn.Conv2d):
             return ops.relu(y) if relu else y
         constants, layouts = _batchnorm_call_arguments(bn.eps, bn.momentum, x_layout, y_layout,
                                                        self.kernel_layout_gradient, relu)
-        y, _, _, _, moving_mean, moving_variance, _ = self.batchnorm_op(x, self.weight, bn.gamma, bn.beta,
-                                                                        bn.moving_mean, bn.moving_variance,
-                                                                        constants, layouts)
-        ops.assign(bn.moving_mean, moving_mean)
-        ops.assign(bn.moving_variance, moving_variance)
-        return y
+        # By index: unpacked with _ for the unused outputs, each left a node that MindSpore's compiler removed with a
+        # "side effect nodes were eliminated by mistake" warning.
+        outputs = self.batchnorm_op(x, self.weight, bn.gamma, bn.beta, bn.moving_mean, bn.moving_variance,
+                                    constants, layouts)
+        ops.assign(bn.moving_mean, outputs[4])
+        ops.assign(bn.moving_variance, outputs[5])
+        return outputs[0]
 
     def with_batchnorm_add_relu(self, x, bn: nn.BatchNorm2d, residual):
         """relu(bn(self(x)) + residual) with x, the residual and the result in channel blocks: a residual block's end
@@ -458,11 +459,11 @@ class BlockedConv2d(nn.Conv2d):
             return _add_relu_op()(self.with_batchnorm(x, bn, BLOCKED, BLOCKED), residual)
         constants, layouts = _batchnorm_call_arguments(bn.eps, bn.momentum, BLOCKED, BLOCKED,
                                                        self.kernel_layout_gradient, False)
-        y, _, _, _, moving_mean, moving_variance, _ = self.batchnorm_add_relu_op(
-            x, self.weight, bn.gamma, bn.beta, bn.moving_mean, bn.moving_variance, constants, layouts, residual)
-        ops.assign(bn.moving_mean, moving_mean)
-        ops.assign(bn.moving_variance, moving_variance)
-        return y
+        outputs = self.batchnorm_add_relu_op(x, self.weight, bn.gamma, bn.beta, bn.moving_mean,
+                                             bn.moving_variance, constants, layouts, residual)
+        ops.assign(bn.moving_mean, outputs[4])
+        ops.assign(bn.moving_variance, outputs[5])
+        return outputs[0]
 
     def construct(self, x):
         if self.blocked_op is None or x.dtype != ms.float32:
