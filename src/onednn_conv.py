@@ -366,8 +366,8 @@ def _batchnorm_call_arguments(eps: float, momentum: float, x_layout: int, y_layo
                               kernel_layout_gradient: bool, relu: bool) -> Tuple[ms.Tensor, ms.Tensor]:
     """The two small tensors a conv+BatchNorm call takes besides the data: (eps, momentum) as float32, the layouts
     (x's, y's, the weight gradient's, ReLU) as int64. Made in Python while the graph compiles (constexpr): built
-    inside construct with ms.Tensor and int(), they took a third of a training step's compile time (ResNet-18 and
-    ResNet-50, docs/performance.md)."""
+    inside construct with ms.Tensor and int(), they took a quarter to a third of a training step's compile time
+    (ResNet-18 and ResNet-50, docs/performance.md)."""
     return (ms.Tensor([eps, momentum], ms.float32),
             ms.Tensor([int(x_layout), int(y_layout), int(kernel_layout_gradient), int(relu)], ms.int64))
 
