@@ -13,11 +13,14 @@ die() {
     exit 2
 }
 
-# The interpreter that has MindSpore: $PYTHON if set, else the first of python, python3 on PATH.
+# The interpreter that has MindSpore: $PYTHON if set, else the first of python, python3 on PATH. Found, not imported:
+# the import takes about 3 s, which the job pays again, and an install that is there but broken then fails in the
+# job with MindSpore's own message instead of being reported missing.
 find_python() {
     local candidate
     for candidate in ${PYTHON:-python python3}; do
-        if command -v "$candidate" >/dev/null 2>&1 && "$candidate" -c "import mindspore" >/dev/null 2>&1; then
+        if command -v "$candidate" >/dev/null 2>&1 &&
+           "$candidate" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('mindspore') is None)" >/dev/null 2>&1; then
             command -v "$candidate"
             return 0
         fi

@@ -26,7 +26,8 @@ Environment (optional):
 Starts msrun --worker_num=DEVICE_NUM*NODE_NUM --local_worker_num=DEVICE_NUM (on a free master port
 when single node), waits for the job and exits with its exit code. Per-rank logs go to
 OUTPUT_PATH/msrun_log/worker_N.log (N: the global rank); rank 0 writes checkpoints, metrics.csv and
-train.log to OUTPUT_PATH. If a node is lost, the others exit non-zero within about 35 s.
+train.log to OUTPUT_PATH. A worker that fails ends the job at once (on one node) with its exit code and
+its error line. If a node is lost, the others exit non-zero within about 35 s.
 Ctrl-C or SIGTERM: the workers save <model>-interrupted.ckpt and stop; the exit code is 128 + signal.
 USAGE
 }
