@@ -275,17 +275,10 @@ SLOW_NODE_TIMEOUT = "90"
 def test_killing_a_worker_ends_the_launcher_at_once_with_128_plus_the_signal_without_orphans(cifar_dir, tmp_path,
                                                                                             memory_turn):
     out = tmp_path / "killed-run"
-    log = open(tmp_path / "launcher.log", "w")
-    launcher = subprocess.Popen(["bash", str(SCRIPTS / "run_distribute_train.sh"), "2", str(cifar_dir),
-                                 "--output_path", str(out), "--epoch_size", "3", "--train_num_samples", "2000",
-                                 *SMALL], env=launcher_env(MS_NODE_TIMEOUT=SLOW_NODE_TIMEOUT), cwd=REPO, stdout=log,
-                                stderr=subprocess.STDOUT)
+    launcher = start_launcher([2, cifar_dir, "--output_path", out, "--epoch_size", "3", "--train_num_samples", "2000",
+                               *SMALL], tmp_path / "launcher.log", MS_NODE_TIMEOUT=SLOW_NODE_TIMEOUT)
     worker1 = out / "msrun_log" / "worker_1.log"
-    deadline = time.time() + 300
-    while time.time() < deadline and not (worker1.exists() and "step 5/" in worker1.read_text()):
-        assert launcher.poll() is None, (tmp_path / "launcher.log").read_text()[-3000:]
-        time.sleep(0.2)
-    assert "step 5/" in worker1.read_text()
+    wait_for_text(worker1, "step 5/", launcher)
     os.kill(worker_pid(str(out), rank=1), signal.SIGKILL)
     killed_at = time.time()
     try:
