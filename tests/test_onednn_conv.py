@@ -25,10 +25,11 @@ from src.resnet import conv_bn, conv_bn_add_relu, conv_bn_relu
 # Input size 2 at stride 2: one output pixel from a 2x2 map (into layer4 at 32x32), matrix products of the gathered
 # input pixels and the taps they meet (four for 3x3, one for 1x1).
 # 1x1 stride 1 from 256 channels: on AVX2 the fused convolution + BatchNorm runs its input gradient as a forward
-# convolution with the kernels transposed.
+# convolution with the kernels transposed. 1x1 stride 1 on a 2x2 map: with AVX-512 the fused call's weight gradient is
+# a matrix product over the batch's pixels.
 CASES = [(3, 64, 7, 2, 3, 32), (64, 64, 3, 1, 1, 8), (128, 128, 3, 2, 1, 8), (64, 256, 1, 1, 0, 8),
          (256, 512, 1, 2, 0, 8), (512, 512, 3, 1, 1, 1), (512, 256, 1, 1, 0, 1), (64, 128, 3, 2, 1, 1),
-         (64, 128, 3, 2, 1, 2), (128, 256, 1, 2, 0, 2), (256, 128, 1, 1, 0, 4)]
+         (64, 128, 3, 2, 1, 2), (128, 256, 1, 2, 0, 2), (256, 128, 1, 1, 0, 4), (1024, 256, 1, 1, 0, 2)]
 
 
 def conv_pair(ci, co, k, s, p):
@@ -127,6 +128,7 @@ print(step(ms.Tensor(np.ones((2, 3, 32, 32), np.float32)), ms.Tensor(np.array([1
 
 
 WINOGRAD_TRAINING_LAYERS = 3
+PIXEL_ROWS_WEIGHT_GRADIENTS = 12
 TRANSPOSED_INPUT_GRADIENT_LAYERS = 23
 
 
@@ -138,7 +140,8 @@ def test_oneDNN_runs_training_batchnorm_on_the_convolutions_blocked_output(isa):
     runs GEMM either). At 32x32 layer4's seven one-pixel convolutions (1x1 input and output) run as three matrix
     products each, on the plain weights, and so do its two stride-2 ones (a 2x2 input into one pixel), on the
     gathered input pixels and taps, and layer3's five 3x3 stride-1 ones on 2x2 maps, on weights expanded per pair
-    of pixels; the input gradients of the 3x3 stride-1 layers on large enough maps run natively (Winograd), and on
+    of pixels; with AVX-512 so do the weight gradients of the 1x1 stride-1 ones on 2x2 maps, over the batch's pixels;
+    the input gradients of the 3x3 stride-1 layers on large enough maps run natively (Winograd), and on
     AVX2 their weight gradients too, and so do those products' forward and input gradient. The images' gradient is
     not computed."""
     block = native_channel_block(isa)
@@ -154,12 +157,16 @@ def test_oneDNN_runs_training_batchnorm_on_the_convolutions_blocked_output(isa):
     # (Winograd), and on AVX2 their weight gradient too; their forward stays oneDNN's, and so do layer2's (4x4 maps:
     # 8 tiles).
     weight_gradients = WINOGRAD_TRAINING_LAYERS if block == 8 else 0
+    # With AVX-512 the weight gradients of the 1x1 stride-1 layers on 2x2 maps are matrix products over the batch's
+    # pixels: layer3's eleven (five 1024 -> 256, six 256 -> 1024) and layer4's first 1024 -> 512.
+    pixel_rows = 0 if block == 8 else PIXEL_ROWS_WEIGHT_GRADIENTS
     # On AVX2 the input gradients of the 1x1 stride-1 layers with at least 128 input channels run as forward
     # convolutions with the kernels transposed: layer1's two 256 -> 64, layer2's eight, layer3's twelve and
     # layer4's first (on a 2x2 map; its others are one-pixel products).
     transposed = TRANSPOSED_INPUT_GRADIENT_LAYERS if block == 8 else 0
     assert kinds == (["backward_data"] * (38 - WINOGRAD_TRAINING_LAYERS - transposed)
-                     + ["backward_weights"] * (39 - weight_gradients) + ["forward_training"] * (39 + transposed))
+                     + ["backward_weights"] * (39 - weight_gradients - pixel_rows)
+                     + ["forward_training"] * (39 + transposed))
     for fields in convolutions:
         assert "ref" not in fields[6] and (block == 8 or "gemm" not in fields[6]), fields
         assert not re.search(r"oh1k.*ow1k", fields[-2]), fields  # one-pixel outputs are matrix products
@@ -174,10 +181,15 @@ def test_oneDNN_runs_training_batchnorm_on_the_convolutions_blocked_output(isa):
     products = [fields for fields in log  # the classifier's matmuls have its 10 classes as a dimension
                  if fields[5] == "matmul" and "10" not in re.split("[x:]", fields[-2])]
     # 14 convolutions, 3 products each. On AVX2 the forward and input-gradient products of the batch (2 rows) run
-    # natively, and the weight gradients, (O x 2) x (2 x I), stay in oneDNN.
-    assert len(products) == (14 if block == 8 else 42), [fields[-2] for fields in products]
+    # natively, and the weight gradients, (O x 2) x (2 x I), stay in oneDNN. With AVX-512, the 1x1 layers' weight
+    # gradients on 2x2 maps, (O x 8) x (8 x I) over 2 images of 4 pixels, I in column blocks where oneDNN splits it.
+    assert len(products) == (14 if block == 8 else 42 + pixel_rows), [fields[-2] for fields in products]
     if block == 8:
         assert all(re.fullmatch(r"\d+x2:2x\d+", fields[-2]) for fields in products), [f[-2] for f in products]
+    else:
+        over_pixels = [re.fullmatch(r"(?:1x)?(\d+)x8:(?:(\d+)x)?8x(\d+)", fields[-2]) for fields in products]
+        shapes = sorted((int(m[1]), int(m[2] or 1) * int(m[3])) for m in over_pixels if m)
+        assert shapes == sorted([(256, 1024)] * 5 + [(1024, 256)] * 6 + [(512, 1024)]), shapes
     for fields in products:
         # Plain (N, C) and (O, I) matrices, or views of them split into a batch of column blocks: no channel blocks.
         assert "ref" not in fields[6] and not re.search(r":blocked:\w*\d", fields[8]), fields
@@ -551,7 +563,10 @@ def test_training_keeps_activations_in_channel_blocks():
         log = onednn_exec_log(["-c", BLOCKED_ACTIVATIONS_SCRIPT, blocked], marker="MEASURED-STEP")
         reorders = [fields for fields in log if fields[5] == "reorder"]
         assert reorders  # the weights still are
-        return [fields[-2] for fields in reorders if fields[-2].startswith("2x")]  # batch 2: activations
+        # Batch 2: activations. Not the NHWC copies of x and dy that with AVX-512 the 1x1 layers' weight gradients on
+        # 2x2 maps make for their matrix product (two a layer, inside the call).
+        return [fields[-2] for fields in reorders
+                if fields[-2].startswith("2x") and "dst:f32::blocked:acdb:" not in fields[8]]
 
     kept, around_every_convolution = activation_reorders("1"), activation_reorders("0")
     # The stem writes channel blocks and pools them: none of its 64-channel activations is reordered.
