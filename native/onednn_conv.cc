@@ -1992,8 +1992,13 @@ class Runtime {
   // transposed problem (ResNet-50's shapes, one thread); on AVX-512's 16-channel blocks the two are one kernel.
   static bool TransposedDataGradient(const Shape &shape) {
     const memory::dims &w = shape.weights;
-    return ChannelBlock() == 8 && w[2] == 1 && w[3] == 1 && shape.strides == memory::dims{1, 1} &&
-           shape.padding == memory::dims{0, 0} && w[1] >= 128 && w[0] % 8 == 0 && w[1] % 8 == 0;
+    return ChannelBlock() == 8 && OneByOneStrideOne(shape) && w[1] >= 128 && w[0] % 8 == 0 && w[1] % 8 == 0;
+  }
+
+  // Whether shape is a 1x1 convolution with stride 1 and no padding.
+  static bool OneByOneStrideOne(const Shape &shape) {
+    return shape.weights[2] == 1 && shape.weights[3] == 1 && shape.strides == memory::dims{1, 1} &&
+           shape.padding == memory::dims{0, 0};
   }
 
   // Where a training layer is a 3x3 stride-1 one with padding 1, the Winograd shape its forward (WinogradUsable), its
@@ -2286,9 +2291,7 @@ class Runtime {
   // The plan for shape, or nullptr without AVX-512, where shape is not a 1x1 stride-1 convolution on at most
   // kPixelRowsPixels pixels, or where oneDNN has only its reference matmul for it.
   const PixelRowsPlan *GetPixelRowsPlan(const Shape &shape) {
-    if (ChannelBlock() != kWideBlock || shape.weights[2] != 1 || shape.weights[3] != 1 || shape.strides[0] != 1 ||
-        shape.strides[1] != 1 || shape.padding[0] != 0 || shape.padding[1] != 0 ||
-        shape.src[2] * shape.src[3] > kPixelRowsPixels) {
+    if (ChannelBlock() != kWideBlock || !OneByOneStrideOne(shape) || shape.src[2] * shape.src[3] > kPixelRowsPixels) {
       return nullptr;
     }
     auto key = std::make_tuple(shape.src, shape.weights);
