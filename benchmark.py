@@ -9,14 +9,15 @@ python benchmark.py [--sizes 32,224] [--modes train,eval] [--frameworks mindspor
                     [--optimizer adam|nesterov] [--isa native|avx2] [--train_py] [--output FILE]
 
 Each (framework, mode, input size, batch size, training recipe) runs in its own process: warmup steps (compilation
-included) are not timed, then --repeats timings of --steps steps; the table reports the median, pooled over --rounds
-rounds that alternate the frameworks. onnxruntime (inference only, --threads intra-op threads) runs the file export.py
-writes for a seeded network of the same shape, exported once per input size and batch before the rounds. MindSpore
-runs as train.py does, with conv_implementation resolved on CPU; --train_py also times train.py itself. The GEMM
-rate is timed the same way (one n x n product per timing, one process per backend: MindSpore ops.matmul with the
-oneDNN setting its model workers use, numpy, and torch.mm when torch is installed) before and after the model
-measurements; the fastest backend's median is the reference. FLOPs per image are counted from the network (see
-src.benchmark.FLOP_CONVENTION). Results go to stdout as a markdown table and to --output as JSON.
+included) are not timed, then --repeats timings of --steps steps, the processes of one (mode, input size, batch size)
+taking turns timing by timing, so that each framework's timings and the others' share the machine's phases; the
+table reports the median, pooled over --rounds rounds. onnxruntime (inference only, --threads intra-op threads) runs
+the file export.py writes for a seeded network of the same shape, exported once per input size and batch before the
+rounds. MindSpore runs as train.py does, with conv_implementation resolved on CPU; --train_py also times train.py
+itself. The GEMM rate is timed the same way (one n x n product per timing, one process per backend: MindSpore
+ops.matmul with the oneDNN setting its model workers use, numpy, and torch.mm when torch is installed) before and
+after the model measurements; the fastest backend's median is the reference. FLOPs per image are counted from the
+network (see src.benchmark.FLOP_CONVENTION). Results go to stdout as a markdown table and to --output as JSON.
 """
 import argparse
 import datetime
@@ -34,10 +35,10 @@ from typing import Callable, Dict, List, Tuple
 
 from src.architectures import MODEL_NAMES as ARCHITECTURES  # not src.resnet's: it would load MindSpore
 from src.atomic_file import write_text_atomic
-from src.benchmark import (GEMM_BACKENDS, OPTIMIZERS, Measurement, check_recipe, export_onnx_here,
+from src.benchmark import (GEMM_BACKENDS, OPTIMIZERS, Measurement, WorkerRun, check_recipe, export_onnx_here,
                            export_onnx_in_subprocess, flops_per_image, forward_macs, forward_macs_in_subprocess,
-                           measure_gemm_here, measure_gemm_in_subprocess, measure_here, measure_in_subprocess,
-                           measure_train_py, table, to_json, warmup_steps)
+                           measure_gemm_here, measure_gemm_in_subprocess, measure_here, measure_side_by_side,
+                           measure_train_py, table, to_json, warmup_steps, worker_turns)
 from src.errors import OneLineArgumentParser, UserError, run_cli
 from src.model_utils.config import CHOICES
 
@@ -143,6 +144,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "batch and threads; its second epoch's steps), next to the benchmark's training step")
     parser.add_argument("--output", default="benchmark.json")
     parser.add_argument("--worker", choices=WORKERS, help=argparse.SUPPRESS)
+    parser.add_argument("--side_by_side", action="store_true", help=argparse.SUPPRESS)  # a worker taking turns
     parser.add_argument("--onnx_path", default="", help=argparse.SUPPRESS)  # the onnxruntime workers' file
     return parser.parse_args(argv)
 
@@ -161,48 +163,55 @@ def run_worker(args: argparse.Namespace) -> object:
     return asdict(measure_here(args.worker, args.modes[0], args.model_name, args.sizes[0], args.batch_size[0],
                                args.threads, warmup_steps(args.warmup, args.steps or 1), args.repeats, args.steps or 1,
                                args.conv_implementation, args.inference_network, args.recipes[0], args.onnx_path,
-                               args.optimizer))
+                               args.optimizer, worker_turns() if args.side_by_side else None))
 
 
 def measure_models(args: argparse.Namespace, frameworks: List[str], macs: Dict[int, int],
                    onnx_files: Dict[Tuple[int, int], str], work_folder: str) -> List[Measurement]:
-    """Every (framework, mode, size, batch, recipe) measurement, each in its own worker process, over --rounds rounds.
+    """Every (framework, mode, size, batch, recipe) measurement over --rounds rounds, each in its own worker
+    process; those of one (mode, size, batch) take turns timing by timing (measure_side_by_side).
 
-    Several rounds alternate the frameworks over the whole run, so a slow phase of the machine hits each; each
-    (framework, mode, size, batch, recipe) pools its timings over the rounds. onnxruntime measures inference only."""
+    Several rounds repeat the whole set over the run; each (framework, mode, size, batch, recipe) pools its timings
+    over the rounds. onnxruntime measures inference only. train.py, a whole run, follows its size's turns."""
     measurements: Dict[tuple, Measurement] = {}
     for round_number in range(1, args.rounds + 1):
         for size, batch, mode in itertools.product(args.sizes, args.batch_size, args.modes):
-            runs = [(framework, recipe) for framework in frameworks if mode == "eval" or framework != "onnxruntime"
-                    for recipe in (args.recipes if framework == "mindspore" and mode == "train" else [""])]
-            if mode == "train" and args.train_py:
-                # Right after MindSpore's own step (whatever --frameworks' order): the pair then shares the
-                # machine's phase, round by round.
-                after = max((index + 1 for index, (framework, _) in enumerate(runs) if framework == "mindspore"),
-                            default=len(runs))
-                runs.insert(after, ("train.py", ""))
-            for framework, recipe in runs:
-                steps = args.steps or (5 if size <= 64 else 1)
-                what = f"{framework} {recipe}".strip()
-                print(f"measuring {what} {mode} {size}x{size} batch {batch} (round {round_number} of {args.rounds}) "
-                      "...", file=sys.stderr, flush=True)
-                if framework == "train.py":  # as many timed steps as the worker's, and at least 6
-                    measurement = measure_train_py(args.model_name, size, batch, args.threads,
-                                                   max(6, args.repeats * steps), work_folder, args.optimizer)
-                else:
-                    measurement = measure_in_subprocess(
-                        framework, mode, args.model_name, size, batch, args.threads, warmup_steps(args.warmup, steps),
-                        args.repeats, steps, args.conv_implementation, args.inference_network, recipe or "O0",
-                        onnx_files.get((size, batch), "") if framework == "onnxruntime" else "", args.optimizer)
+            steps = args.steps or (5 if size <= 64 else 1)
+            runs = [WorkerRun(framework, mode, args.model_name, size, batch, warmup_steps(args.warmup, steps),
+                              args.repeats, steps, args.conv_implementation, args.inference_network, recipe,
+                              onnx_files.get((size, batch), "") if framework == "onnxruntime" else "", args.optimizer)
+                    for framework in frameworks if mode == "eval" or framework != "onnxruntime"
+                    for recipe in (args.recipes if framework == "mindspore" and mode == "train" else ["O0"])]
+            print(f"measuring {', '.join(run.describe() for run in runs)} {mode} {size}x{size} batch {batch}, taking "
+                  f"turns (round {round_number} of {args.rounds}) ...", file=sys.stderr, flush=True)
+            measured = [(run.framework, run.recipe if run.framework == "mindspore" and mode == "train" else "",
+                         measurement) for run, measurement in zip(runs, measure_side_by_side(runs, args.threads))]
+            if mode == "train" and args.train_py:  # right after the step it is compared with
+                print(f"measuring train.py {size}x{size} batch {batch} (round {round_number} of {args.rounds}) ...",
+                      file=sys.stderr, flush=True)
+                # as many timed steps as the worker's, and at least 6
+                measured.append(("train.py", "", measure_train_py(args.model_name, size, batch, args.threads,
+                                                                  max(6, args.repeats * steps), work_folder,
+                                                                  args.optimizer)))
+            for framework, recipe, measurement in measured:
                 key = (framework, mode, size, batch, recipe)
-                rounds = [measurement.images_per_second]
+                measurement = replace(measurement, round_images_per_second=[measurement.images_per_second],
+                                      flops_per_image=flops_per_image(macs[size], mode))
                 if key in measurements:
-                    rounds = measurements[key].round_images_per_second + rounds
-                    measurement = replace(measurement, seconds_per_step=measurements[key].seconds_per_step +
-                                          measurement.seconds_per_step)
-                measurement = replace(measurement, round_images_per_second=rounds)
-                measurements[key] = replace(measurement, flops_per_image=flops_per_image(macs[size], mode))
+                    measurement = merge_rounds(measurements[key], measurement)
+                measurements[key] = measurement
     return list(measurements.values())
+
+
+def merge_rounds(earlier: Measurement, later: Measurement) -> Measurement:
+    """One measurement's rounds pooled: the timings and their starts, each round's rate, the time it waited for the
+    others' turns and the CPU it used meanwhile."""
+    idle_cpu = (None if earlier.idle_cpu_seconds is None or later.idle_cpu_seconds is None
+                else earlier.idle_cpu_seconds + later.idle_cpu_seconds)
+    return replace(later, seconds_per_step=earlier.seconds_per_step + later.seconds_per_step,
+                   timing_start_times=earlier.timing_start_times + later.timing_start_times,
+                   round_images_per_second=earlier.round_images_per_second + later.round_images_per_second,
+                   idle_seconds=earlier.idle_seconds + later.idle_seconds, idle_cpu_seconds=idle_cpu)
 
 
 def main() -> int:

@@ -1,14 +1,16 @@
 """Throughput of ResNet training steps and inference forward passes, MindSpore (this project's code)
-against PyTorch/torchvision, each measurement in its own process so thread pools don't interfere; the FLOP
-count of the network and the machine's fp32 matrix-product (GEMM) rate, to put the throughput in perspective.
-See FLOP_CONVENTION for what is counted.
+against PyTorch/torchvision, each measurement in its own process so thread pools don't interfere, the processes
+taking turns (measure_side_by_side); the FLOP count of the network and the machine's fp32 matrix-product (GEMM)
+rate, to put the throughput in perspective. See FLOP_CONVENTION for what is counted.
 """
+import contextlib
 import json
 import os
 import re
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -42,6 +44,12 @@ class Measurement:
     peak_rss_bytes: Optional[int] = None  # the worker's peak resident memory during the timed steps (Linux)
     optimizer: str = ""  # train: the training step's optimizer (a key of OPTIMIZERS)
     round_images_per_second: List[float] = field(default_factory=list)  # each round's median, with --rounds
+    timing_start_times: List[float] = field(default_factory=list)  # each timing's start, Unix seconds
+    # While the workers beside it took their turns (measure_side_by_side): the seconds that took, and the CPU seconds
+    # this worker's process used meanwhile (Linux; None elsewhere): near 0 when a waiting worker leaves the machine
+    # to the one being timed
+    idle_seconds: float = 0.0
+    idle_cpu_seconds: Optional[float] = 0.0
 
     @property
     def images_per_second(self) -> float:
@@ -76,24 +84,40 @@ def warmup_steps(asked: Optional[int], steps: int) -> int:
 
 def _time_steps(run_step: Callable[[], None], warmup: int, repeats: int, steps: int,
                 finish: Optional[Callable[[], None]] = None,
-                when_warm: Optional[Callable[[], object]] = None) -> List[float]:
+                when_warm: Optional[Callable[[], object]] = None,
+                turns: Optional[Tuple[Callable[[], None], Callable[[], None]]] = None
+                ) -> Tuple[List[float], List[float]]:
     """Seconds per step of each repeat (steps steps each, then finish: waiting for the last one's result), after
-    warmup steps (which include compilation), after which when_warm is called."""
-    for _ in range(warmup):
-        run_step()
-    if finish:
-        finish()
+    warmup steps (which include compilation), after which when_warm is called; and each repeat's start (Unix
+    seconds). With turns, (wait_turn, turn_over), the warm-up's last `steps` steps and each repeat wait for their
+    turn and hand it back after: the worker's side of measure_side_by_side."""
+    def run_block(count: int) -> None:
+        for _ in range(count):
+            run_step()
+        if finish and count:
+            finish()
+    wait_turn, turn_over = turns or (None, None)
+    alone = warmup if turns is None else max(warmup - steps, 0)
+    run_block(alone)
+    if turns:
+        turn_over()
+        wait_turn()
+        run_block(warmup - alone)  # caches and thread pools warm again after the others' warm-ups
     if when_warm:
         when_warm()
-    timings = []
+    if turns:
+        turn_over()
+    timings, started_at = [], []
     for _ in range(repeats):
+        if turns:
+            wait_turn()
+        started_at.append(time.time())
         started = time.perf_counter()
-        for _ in range(steps):
-            run_step()
-        if finish:
-            finish()
+        run_block(steps)
         timings.append((time.perf_counter() - started) / steps)
-    return timings
+        if turns:
+            turn_over()
+    return timings, started_at
 
 
 RECIPE_PATTERN = re.compile(r"^O[0-3](-sink)?(-plain)?(-nn_optimizer|-oihw_gradients)?$")
@@ -250,10 +274,11 @@ def onnxruntime_step(onnx_path: str, image_size: int, batch_size: int, threads: 
 def measure_here(framework: str, mode: str, model_name: str, image_size: int, batch_size: int, threads: int,
                  warmup: int, repeats: int, steps: int, conv_implementation: str = "auto",
                  inference_network: str = "fused", recipe: str = "O0", onnx_path: str = "",
-                 optimizer: str = "adam") -> Measurement:
+                 optimizer: str = "adam",
+                 turns: Optional[Tuple[Callable[[], None], Callable[[], None]]] = None) -> Measurement:
     """Runs one measurement in this process (training with the optimizer named in OPTIMIZERS); MindSpore's
     convolutions as conv_implementation resolves on CPU for the recipe's amp_level (training); onnxruntime
-    (inference only) runs the file at onnx_path."""
+    (inference only) runs the file at onnx_path. turns: see _time_steps."""
     implementation = isa = ran_network = ""
     finish = None
     if framework == "torch":
@@ -279,23 +304,158 @@ def measure_here(framework: str, mode: str, model_name: str, image_size: int, ba
     def when_warm() -> None:
         return_freed_heap()
         reset.append(reset_peak_memory())
-    timings = _time_steps(run_step, warmup, repeats, steps, finish, when_warm)
+    timings, started_at = _time_steps(run_step, warmup, repeats, steps, finish, when_warm, turns)
     peak = peak_memory_bytes() if reset and reset[0] else None
-    return Measurement(framework, mode, image_size, batch_size, threads, timings, conv_implementation=implementation,
+    return Measurement(framework, mode, image_size, batch_size, threads, timings, timing_start_times=started_at,
+                       conv_implementation=implementation,
                        onednn_max_cpu_isa=isa, inference_network=ran_network,
                        recipe=recipe if framework == "mindspore" and mode == "train" else "", peak_rss_bytes=peak,
                        optimizer=optimizer if mode == "train" else "")
+
+
+@dataclass
+class WorkerRun:
+    """One measurement for a worker process (benchmark.py --worker): measure_here's arguments."""
+    framework: str
+    mode: str
+    model_name: str
+    image_size: int
+    batch_size: int
+    warmup: int
+    repeats: int
+    steps: int
+    conv_implementation: str = "auto"
+    inference_network: str = "fused"
+    recipe: str = "O0"
+    onnx_path: str = ""
+    optimizer: str = "adam"
+
+    def describe(self) -> str:
+        recipe = self.recipe if self.framework == "mindspore" and self.mode == "train" else ""
+        return f"{self.framework} {recipe}".strip()
+
+    def arguments(self) -> List[str]:
+        return ["--worker", self.framework, "--modes", self.mode, "--model_name", self.model_name,
+                "--sizes", str(self.image_size), "--batch_size", str(self.batch_size), "--warmup", str(self.warmup),
+                "--repeats", str(self.repeats), "--steps", str(self.steps),
+                "--conv_implementation", self.conv_implementation, "--inference_network", self.inference_network,
+                "--recipes", self.recipe, "--onnx_path", self.onnx_path, "--optimizer", self.optimizer]
+
+
+# A worker taking turns (--side_by_side) prints this line whenever it is idle, then waits for "go" on stdin.
+TURN_OVER = "@benchmark-worker: turn over"
+
+
+def worker_turns() -> Tuple[Callable[[], None], Callable[[], None]]:
+    """The worker's side of measure_side_by_side: (wait_turn, turn_over) for measure_here."""
+    def wait_turn() -> None:
+        if sys.stdin.readline().strip() != "go":  # the parent stopped
+            raise SystemExit("benchmark worker: the parent process stopped giving turns")
+
+    def turn_over() -> None:
+        print(TURN_OVER, flush=True)
+    return wait_turn, turn_over
+
+
+def _process_cpu_seconds(pid: int) -> Optional[float]:
+    """User + system CPU seconds of a process so far, from /proc (None elsewhere or once it is gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class _TurnTakingWorker:
+    """A worker process of measure_side_by_side, its stderr in a file (a full pipe would block it)."""
+
+    def __init__(self, run: WorkerRun, threads: int, stderr) -> None:
+        command = [sys.executable, str(REPO / "benchmark.py"), *run.arguments(), "--threads", str(threads),
+                   "--side_by_side"]
+        self.what = f"{run.describe()} {run.mode} {run.image_size}"
+        self.stderr = stderr
+        self.lines: List[str] = []  # its stdout, but for the turn-over lines
+        self.idle_seconds = 0.0
+        self.idle_cpu_seconds: Optional[float] = 0.0
+        self.process = subprocess.Popen(command, cwd=REPO, env=_worker_env(threads), stdin=subprocess.PIPE,
+                                        stdout=subprocess.PIPE, stderr=stderr, text=True)
+
+    def failure(self) -> RuntimeError:
+        self.process.wait()
+        self.stderr.seek(0)
+        return RuntimeError(f"{self.what}: worker failed:\n{self.stderr.read()[-3000:]}")
+
+    def wait_until_idle(self) -> None:
+        for line in self.process.stdout:
+            if line.rstrip("\n") == TURN_OVER:
+                return
+            self.lines.append(line)
+        raise self.failure()
+
+    def take_turn(self) -> None:
+        try:
+            self.process.stdin.write("go\n")
+            self.process.stdin.flush()
+        except BrokenPipeError:
+            raise self.failure() from None
+        self.wait_until_idle()
+
+    def result(self) -> Measurement:
+        self.process.stdin.close()
+        self.lines.extend(self.process.stdout)
+        if self.process.wait() != 0 or not self.lines:
+            raise self.failure()
+        return Measurement(**dict(json.loads(self.lines[-1]), idle_seconds=self.idle_seconds,
+                                  idle_cpu_seconds=self.idle_cpu_seconds))
+
+
+def _stop(process: subprocess.Popen) -> None:
+    """Kills a worker still running (the measurement failed elsewhere) and reaps it."""
+    if process.poll() is None:
+        process.kill()
+    process.wait()
+
+
+def measure_side_by_side(runs: Sequence[WorkerRun], threads: int) -> List[Measurement]:
+    """Measures runs in worker processes that take turns: each warms up (compilation included) while the others
+    wait, then they run one at a time, in the order of runs, the warm-up's last block of steps, then each timing.
+    Every worker's i-th timing falls between the others' i-th timings, so a slow phase of a shared machine
+    lasting seconds to minutes hits them alike instead of deciding a ratio. A waiting worker blocks on its stdin;
+    the CPU time it used meanwhile is recorded (Measurement.idle_seconds, idle_cpu_seconds)."""
+    if len({run.repeats for run in runs}) > 1:
+        raise ValueError("workers taking turns need the same number of repeats")
+    with contextlib.ExitStack() as stack:
+        workers: List[_TurnTakingWorker] = []
+        for run in runs:
+            stderr = stack.enter_context(tempfile.TemporaryFile("w+"))
+            worker = _TurnTakingWorker(run, threads, stderr)
+            stack.callback(_stop, worker.process)
+            workers.append(worker)
+            worker.wait_until_idle()  # warmed up alone
+        for _ in range(1 + runs[0].repeats):  # the warm-up's last block, then the timings
+            for worker in workers:
+                others = [(other, _process_cpu_seconds(other.process.pid)) for other in workers if other is not worker]
+                started = time.perf_counter()
+                worker.take_turn()
+                took = time.perf_counter() - started
+                for other, before in others:
+                    after = _process_cpu_seconds(other.process.pid)
+                    other.idle_seconds += took
+                    if before is None or after is None or other.idle_cpu_seconds is None:
+                        other.idle_cpu_seconds = None
+                    else:
+                        other.idle_cpu_seconds += after - before
+        return [worker.result() for worker in workers]
 
 
 def measure_in_subprocess(framework: str, mode: str, model_name: str, image_size: int, batch_size: int, threads: int,
                           warmup: int, repeats: int, steps: int, conv_implementation: str = "auto",
                           inference_network: str = "fused", recipe: str = "O0", onnx_path: str = "",
                           optimizer: str = "adam") -> Measurement:
-    args = ["--worker", framework, "--modes", mode, "--model_name", model_name, "--sizes", str(image_size),
-            "--batch_size", str(batch_size), "--warmup", str(warmup), "--repeats", str(repeats), "--steps", str(steps),
-            "--conv_implementation", conv_implementation, "--inference_network", inference_network,
-            "--recipes", recipe, "--onnx_path", onnx_path, "--optimizer", optimizer]
-    return Measurement(**_run_worker(args, threads, f"{framework} {mode} {image_size} {recipe}"))
+    """One measurement in a worker process of its own (measure_side_by_side with nothing beside it)."""
+    run = WorkerRun(framework, mode, model_name, image_size, batch_size, warmup, repeats, steps, conv_implementation,
+                    inference_network, recipe, onnx_path, optimizer)
+    return measure_side_by_side([run], threads)[0]
 
 
 TRAIN_PY_STEP_LINE = re.compile(r"epoch 2/2 step \d+/\d+ loss \S+ lr \S+ ([0-9.]+) images/s")
@@ -349,7 +509,7 @@ def measure_gemm_here(backend: str, n: int, threads: int, warmup: int, repeats: 
         product = lambda: np.matmul(a, b)  # noqa: E731
     else:
         raise ValueError(f"unknown GEMM backend {backend!r}; choose one of {', '.join(GEMM_BACKENDS)}")
-    timings = _time_steps(product, max(warmup, 1), repeats, 1)
+    timings, _ = _time_steps(product, max(warmup, 1), repeats, 1)
     return GemmMeasurement(backend, n, threads, isa, timings)
 
 
@@ -453,6 +613,8 @@ def table(measurements: Sequence[Measurement], gemms: Sequence[GemmMeasurement] 
                     f"{number(_percent_of(ours, reference), 1)} | {rate(found, 'onnxruntime')} | "
                     f"{ratio(found, 'onnxruntime')} |")
     rows += ["", f"GFLOP/image of {model_name}: {FLOP_CONVENTION}."]
+    if any(m.idle_seconds > 0 for m in measurements):
+        rows += ["", idle_line(measurements)]
     if (any(len(m.round_images_per_second) > 1 for m in main)
             and any(m.framework in ("torch", "onnxruntime") for m in main)):
         rows += ["", round_table(main, keys)]
@@ -480,6 +642,19 @@ def table(measurements: Sequence[Measurement], gemms: Sequence[GemmMeasurement] 
                     f"{timings} per backend ({' and '.join(phases)} the models): {described} GFLOP/s; "
                     f"% of GEMM is against the fastest, {reference:.1f} GFLOP/s.")
     return "\n".join(rows)
+
+
+def idle_line(measurements: Sequence[Measurement]) -> str:
+    """What the workers that took turns did while waiting: the most CPU any of them used, as a share of one core
+    over the time it waited. A large share would mean a waiting worker slowed the one being timed."""
+    waited = [m for m in measurements if m.idle_seconds > 0]
+    line = "Each input size's workers took turns, one timed at a time"
+    if any(m.idle_cpu_seconds is None for m in waited):
+        return line + " (their CPU use while waiting is read from /proc, not available here)."
+    worst = max(waited, key=lambda m: m.idle_cpu_seconds / m.idle_seconds)
+    return (line + f"; while waiting, a worker used at most {100 * worst.idle_cpu_seconds / worst.idle_seconds:.1f} "
+            f"% of a core ({worst.framework} {worst.recipe} {worst.mode} {worst.image_size}x{worst.image_size})."
+            ).replace("  ", " ")
 
 
 def round_ratios(ours: Sequence[float], theirs: Sequence[float]) -> List[float]:

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, assert_one_line_error, run_script
-from src.benchmark import (FLOP_CONVENTION, GemmMeasurement, Measurement, flops_per_image, forward_macs, gemm_rates,
-                           measure_gemm_here, measure_in_subprocess, table, to_json)
+from src.benchmark import (FLOP_CONVENTION, GemmMeasurement, Measurement, WorkerRun, flops_per_image, forward_macs,
+                           gemm_rates, measure_gemm_here, measure_in_subprocess, measure_side_by_side, table, to_json)
 
 TORCH_USABLE = all(importlib.util.find_spec(name) for name in ("torch", "torchvision"))
 
@@ -154,6 +154,10 @@ def test_end_to_end_run_writes_flop_rates_and_gemm_rates(tmp_path):
         assert m["gflops_per_second"] == pytest.approx(2 * macs * m["images_per_second"] / 1e9)
         assert m["percent_of_gemm"] == pytest.approx(100 * m["gflops_per_second"] / gemm["reference_gflops_per_second"])
     assert "by round | lowest |" in process.stdout
+    # The three workers took turns, in --frameworks' order, each round.
+    starts = sorted((start, m["framework"]) for m in result["measurements"] for start in m["timing_start_times"])
+    assert [framework for _, framework in starts] == frameworks * 2
+    assert "took turns, one timed at a time" in process.stdout
     assert f"| {ours['gflops_per_second']:.1f} | {ours['percent_of_gemm']:.1f} |" in process.stdout
 
 
@@ -305,22 +309,28 @@ def test_train_py_table_pairs_each_round_with_the_step_measured_next_to_it():
 
 
 @pytest.mark.parametrize("frameworks", [["mindspore", "torch"], ["torch", "mindspore"]])
-def test_train_py_runs_right_after_the_benchmarks_own_step(monkeypatch, tmp_path, frameworks):
-    """In each round train.py follows MindSpore's step directly, so the pair shares the machine's phase. The
-    measurements themselves are replaced by records of their order: this tests the schedule alone."""
+def test_train_py_runs_right_after_its_sizes_turns(monkeypatch, tmp_path, frameworks):
+    """In each round the workers of one size take turns (every recipe's MindSpore step and PyTorch's, in the order
+    asked), and train.py runs right after them, so it shares the machine's phase with the step it is compared with.
+    The measurements themselves are replaced by records of their order: this tests the schedule alone."""
     import benchmark
     order = []
 
-    def measure(framework, *args, **kwargs):
-        order.append(framework)
-        return Measurement(framework, "train", 32, 2, 2, [1.0], recipe=args[-3] if framework == "mindspore" else "")
-    monkeypatch.setattr(benchmark, "measure_in_subprocess", measure)
-    monkeypatch.setattr(benchmark, "measure_train_py", lambda *args, **kwargs: measure("train.py", ""))
+    def measure_side_by_side(runs, threads):
+        order.append([run.describe() for run in runs])
+        return [Measurement(run.framework, "train", 32, 2, 2, [1.0],
+                            recipe=run.recipe if run.framework == "mindspore" else "") for run in runs]
+    monkeypatch.setattr(benchmark, "measure_side_by_side", measure_side_by_side)
+    monkeypatch.setattr(benchmark, "measure_train_py",
+                        lambda *args, **kwargs: order.append("train.py") or Measurement("train.py", "train", 32, 2, 2,
+                                                                                        [1.0]))
     args = benchmark.parse_args(["--sizes", "32", "--modes", "train", "--rounds", "2", "--train_py",
                                  "--recipes", "O0,O2", "--batch_size", "2"])
-    benchmark.measure_models(args, frameworks, {32: 1}, {}, str(tmp_path))
-    expected = {"mindspore": ["mindspore", "mindspore", "train.py"], "torch": ["torch"]}  # O0 and O2, then train.py
-    assert order == [run for framework in frameworks for run in expected[framework]] * 2
+    measurements = benchmark.measure_models(args, frameworks, {32: 1}, {}, str(tmp_path))
+    together = {"mindspore": ["mindspore O0", "mindspore O2"], "torch": ["torch"]}
+    assert order == [[run for framework in frameworks for run in together[framework]], "train.py"] * 2
+    assert sorted((m.framework, m.recipe, len(m.round_images_per_second)) for m in measurements) == [
+        ("mindspore", "O0", 2), ("mindspore", "O2", 2), ("torch", "", 2), ("train.py", "", 2)]
 
 
 @pytest.mark.parametrize("asked, warmups", [([], {32: 20, 224: 4}), (["--warmup", "0"], {32: 0, 224: 0}),
@@ -328,17 +338,51 @@ def test_train_py_runs_right_after_the_benchmarks_own_step(monkeypatch, tmp_path
 def test_each_worker_warms_up_four_timings_worth_unless_told(monkeypatch, tmp_path, asked, warmups):
     """MindSpore's first 15 or so training steps at 32x32 are slower than the rest: by default every worker (either
     framework) runs four timings' worth of untimed steps first, 20 at 32x32's 5-step timings. Records of each
-    worker's arguments stand in for the measurements: this tests what the workers are told."""
+    worker's run stand in for the measurements: this tests what the workers are told."""
     import benchmark
     told = []
 
-    def measure(framework, mode, model_name, size, batch, threads, warmup, repeats, steps, *args):
-        told.append((framework, size, warmup))
-        return Measurement(framework, mode, size, batch, threads, [1.0])
-    monkeypatch.setattr(benchmark, "measure_in_subprocess", measure)
+    def measure_side_by_side(runs, threads):
+        told.extend((run.framework, run.image_size, run.warmup) for run in runs)
+        return [Measurement(run.framework, run.mode, run.image_size, run.batch_size, threads, [1.0]) for run in runs]
+    monkeypatch.setattr(benchmark, "measure_side_by_side", measure_side_by_side)
     args = benchmark.parse_args(["--sizes", "32,224", "--modes", "train", *asked])
     benchmark.measure_models(args, ["mindspore", "torch"], {32: 1, 224: 1}, {}, str(tmp_path))
     assert told == [(framework, size, warmups[size]) for size in (32, 224) for framework in ("mindspore", "torch")]
+
+
+@pytest.mark.slow
+def test_workers_take_turns_timing_by_timing_and_wait_idle():
+    """Workers of one size run one at a time, alternating timing by timing, so a slow phase of the machine hits
+    each framework's timings alike; a waiting worker blocks instead of using the CPU. Two real MindSpore workers
+    (the fused inference network and the ResNet cell), three timings each."""
+    runs = [WorkerRun("mindspore", "eval", "resnet18", 32, 2, warmup=2, repeats=3, steps=2, inference_network=network)
+            for network in ("fused", "resnet")]
+    fused, cell = measure_side_by_side(runs, 2)
+    assert (fused.inference_network, cell.inference_network) == ("fused-blocked", "resnet")
+    assert len(fused.timing_start_times) == len(cell.timing_start_times) == 3
+    for i in range(3):  # each timing (steps x seconds per step) ends before the other worker's next one starts
+        assert fused.timing_start_times[i] + 2 * fused.seconds_per_step[i] <= cell.timing_start_times[i]
+        if i < 2:
+            assert cell.timing_start_times[i] + 2 * cell.seconds_per_step[i] <= fused.timing_start_times[i + 1]
+    for waiting, timed in ((fused, cell), (cell, fused)):  # it waited through the other's turns
+        assert waiting.idle_seconds >= sum(2 * seconds for seconds in timed.seconds_per_step)
+        assert waiting.idle_cpu_seconds < 0.25 * waiting.idle_seconds  # a spinning waiter would use about 1
+    assert "took turns, one timed at a time; while waiting, a worker used at most" in table([fused, cell])
+
+
+@pytest.mark.slow
+def test_a_worker_that_fails_stops_the_others(tmp_path):
+    """A worker that fails (here: onnxruntime given no file) ends the measurement with its error, and the worker
+    already waiting beside it does not outlive it."""
+    import psutil  # a requirement of MindSpore
+    runs = [WorkerRun("mindspore", "eval", "resnet18", 32, 2, warmup=1, repeats=1, steps=1),
+            WorkerRun("onnxruntime", "eval", "resnet18", 32, 2, warmup=1, repeats=1, steps=1,
+                      onnx_path=str(tmp_path / "missing.onnx"))]
+    with pytest.raises(RuntimeError, match="onnxruntime eval 32: worker failed") as failure:
+        measure_side_by_side(runs, 2)
+    assert "missing.onnx" in str(failure.value)
+    assert psutil.Process().children(recursive=True) == []
 
 
 @pytest.mark.slow
