@@ -45,6 +45,7 @@ class Measurement:
     optimizer: str = ""  # train: the training step's optimizer (a key of OPTIMIZERS)
     round_images_per_second: List[float] = field(default_factory=list)  # each round's median, with --rounds
     timing_start_times: List[float] = field(default_factory=list)  # each timing's start, Unix seconds
+    ended_at: float = 0.0  # Unix seconds when the worker went on to finish (taking turns: when all were done)
     # While the workers beside it took their turns (measure_side_by_side): the seconds that took, and the CPU seconds
     # this worker's process used meanwhile (Linux; None elsewhere): near 0 when a waiting worker leaves the machine
     # to the one being timed
@@ -90,7 +91,7 @@ def _time_steps(run_step: Callable[[], None], warmup: int, repeats: int, steps: 
     """Seconds per step of each repeat (steps steps each, then finish: waiting for the last one's result), after
     warmup steps (which include compilation), after which when_warm is called; and each repeat's start (Unix
     seconds). With turns, (wait_turn, turn_over), the warm-up's last `steps` steps and each repeat wait for their
-    turn and hand it back after: the worker's side of measure_side_by_side."""
+    turn and hand it back after, and the return waits for a last turn: the worker's side of measure_side_by_side."""
     def run_block(count: int) -> None:
         for _ in range(count):
             run_step()
@@ -117,6 +118,8 @@ def _time_steps(run_step: Callable[[], None], warmup: int, repeats: int, steps: 
         timings.append((time.perf_counter() - started) / steps)
         if turns:
             turn_over()
+    if turns:  # told when every worker is done: a process's exit would slow the others' timings
+        wait_turn()
     return timings, started_at
 
 
@@ -305,9 +308,10 @@ def measure_here(framework: str, mode: str, model_name: str, image_size: int, ba
         return_freed_heap()
         reset.append(reset_peak_memory())
     timings, started_at = _time_steps(run_step, warmup, repeats, steps, finish, when_warm, turns)
+    ended_at = time.time()
     peak = peak_memory_bytes() if reset and reset[0] else None
     return Measurement(framework, mode, image_size, batch_size, threads, timings, timing_start_times=started_at,
-                       conv_implementation=implementation,
+                       ended_at=ended_at, conv_implementation=implementation,
                        onednn_max_cpu_isa=isa, inference_network=ran_network,
                        recipe=recipe if framework == "mindspore" and mode == "train" else "", peak_rss_bytes=peak,
                        optimizer=optimizer if mode == "train" else "")
@@ -358,12 +362,35 @@ def worker_turns() -> Tuple[Callable[[], None], Callable[[], None]]:
 
 
 def _process_cpu_seconds(pid: int) -> Optional[float]:
-    """User + system CPU seconds of a process so far, from /proc (None elsewhere or once it is gone)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """CPU seconds the process's threads have run so far, from the scheduler's per-thread counts in /proc (in
+    nanoseconds, where /proc/PID/stat counts 10 ms ticks); None where there are none (not Linux, or it is gone)."""
+    total, found = 0, False
+    for path in Path(f"/proc/{pid}/task").glob("*/schedstat"):
+        try:
+            total += int(path.read_text().split()[0])
+            found = True
+        except (OSError, IndexError, ValueError):  # a thread that ended meanwhile
+            continue
+    return total / 1e9 if found else None
+
+
+SETTLE_INTERVAL = 0.01  # seconds between looks at a worker that just had its turn
+SETTLE_SHARE = 0.1  # ... until its threads use less than this share of one core
+SETTLE_LIMIT = 2.0  # seconds at most
+
+
+def _settle(pid: int) -> None:
+    """Waits until a worker's threads go quiet after its turn. Thread pools spin a while after their last task
+    (onnxruntime's about 40 ms on 1.3 cores after a pass at 224x224 on a Zen 4), which would slow the next worker's
+    first steps."""
+    deadline = time.perf_counter() + SETTLE_LIMIT
+    before = _process_cpu_seconds(pid)
+    while before is not None and time.perf_counter() < deadline:
+        time.sleep(SETTLE_INTERVAL)
+        after = _process_cpu_seconds(pid)
+        if after is None or after - before < SETTLE_SHARE * SETTLE_INTERVAL:
+            return
+        before = after
 
 
 class _TurnTakingWorker:
@@ -392,16 +419,23 @@ class _TurnTakingWorker:
             self.lines.append(line)
         raise self.failure()
 
-    def take_turn(self) -> None:
+    def _go(self, last: bool = False) -> None:
         try:
             self.process.stdin.write("go\n")
-            self.process.stdin.flush()
+            if last:
+                self.process.stdin.close()
+            else:
+                self.process.stdin.flush()
         except BrokenPipeError:
             raise self.failure() from None
+
+    def take_turn(self) -> None:
+        self._go()
         self.wait_until_idle()
 
     def result(self) -> Measurement:
-        self.process.stdin.close()
+        """Lets the worker finish (once every worker's timings are done) and reads its measurement."""
+        self._go(last=True)
         self.lines.extend(self.process.stdout)
         if self.process.wait() != 0 or not self.lines:
             raise self.failure()
@@ -418,7 +452,8 @@ def _stop(process: subprocess.Popen) -> None:
 
 def measure_side_by_side(runs: Sequence[WorkerRun], threads: int) -> List[Measurement]:
     """Measures runs in worker processes that take turns: each warms up (compilation included) while the others
-    wait, then they run one at a time, in the order of runs, the warm-up's last block of steps, then each timing.
+    wait, then they run one at a time, in the order of runs, the warm-up's last block of steps, then each timing,
+    each turn once the last one's threads have gone quiet; none ends (its exit takes CPU) before the last timing.
     Every worker's i-th timing falls between the others' i-th timings, so a slow phase of a shared machine
     lasting seconds to minutes hits them alike instead of deciding a ratio. A waiting worker blocks on its stdin;
     the CPU time it used meanwhile is recorded (Measurement.idle_seconds, idle_cpu_seconds)."""
@@ -438,6 +473,7 @@ def measure_side_by_side(runs: Sequence[WorkerRun], threads: int) -> List[Measur
                 started = time.perf_counter()
                 worker.take_turn()
                 took = time.perf_counter() - started
+                _settle(worker.process.pid)
                 for other, before in others:
                     after = _process_cpu_seconds(other.process.pid)
                     other.idle_seconds += took

@@ -8,6 +8,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -354,7 +355,8 @@ def test_each_worker_warms_up_four_timings_worth_unless_told(monkeypatch, tmp_pa
 @pytest.mark.slow
 def test_workers_take_turns_timing_by_timing_and_wait_idle():
     """Workers of one size run one at a time, alternating timing by timing, so a slow phase of the machine hits
-    each framework's timings alike; a waiting worker blocks instead of using the CPU. Two real MindSpore workers
+    each framework's timings alike; a waiting worker blocks instead of using the CPU, and none exits (which takes
+    CPU) before the others' timings are done. Two real MindSpore workers
     (the fused inference network and the ResNet cell), three timings each."""
     runs = [WorkerRun("mindspore", "eval", "resnet18", 32, 2, warmup=2, repeats=3, steps=2, inference_network=network)
             for network in ("fused", "resnet")]
@@ -365,10 +367,33 @@ def test_workers_take_turns_timing_by_timing_and_wait_idle():
         assert fused.timing_start_times[i] + 2 * fused.seconds_per_step[i] <= cell.timing_start_times[i]
         if i < 2:
             assert cell.timing_start_times[i] + 2 * cell.seconds_per_step[i] <= fused.timing_start_times[i + 1]
+    # The first worker's exit, which takes CPU, waits for the second's last timing.
+    assert fused.ended_at >= cell.timing_start_times[-1] + 2 * cell.seconds_per_step[-1]
     for waiting, timed in ((fused, cell), (cell, fused)):  # it waited through the other's turns
         assert waiting.idle_seconds >= sum(2 * seconds for seconds in timed.seconds_per_step)
         assert waiting.idle_cpu_seconds < 0.25 * waiting.idle_seconds  # a spinning waiter would use about 1
     assert "took turns, one timed at a time; while waiting, a worker used at most" in table([fused, cell])
+
+
+def test_the_next_turn_waits_until_the_last_workers_threads_go_quiet():
+    """Thread pools spin a while after their last task (onnxruntime's some 40 ms): the next worker's turn waits
+    for that. A process spinning for 0.5 s holds the next turn back about as long; a sleeping one does not."""
+    from src.benchmark import _settle
+    spinning = subprocess.Popen([sys.executable, "-c", "import time, sys\nsys.stdin.readline()\n"
+                                 "end = time.perf_counter() + 0.5\nwhile time.perf_counter() < end: pass\n"
+                                 "time.sleep(30)"], stdin=subprocess.PIPE, text=True)
+    try:
+        spinning.stdin.write("go\n")
+        spinning.stdin.flush()
+        started = time.perf_counter()
+        _settle(spinning.pid)
+        assert 0.35 < time.perf_counter() - started < 1.5
+        started = time.perf_counter()
+        _settle(spinning.pid)  # now asleep
+        assert time.perf_counter() - started < 0.2
+    finally:
+        spinning.kill()
+        spinning.wait()
 
 
 @pytest.mark.slow
