@@ -454,8 +454,8 @@ def measure_side_by_side(runs: Sequence[WorkerRun], threads: int) -> List[Measur
     """Measures runs in worker processes that take turns: each warms up (compilation included) while the others
     wait, then they run one at a time, in the order of runs, the warm-up's last block of steps, then each timing,
     each turn once the last one's threads have gone quiet; none ends (its exit takes CPU) before the last timing.
-    Every worker's i-th timing falls between the others' i-th timings, so a slow phase of a shared machine
-    lasting seconds to minutes hits them alike instead of deciding a ratio. A waiting worker blocks on its stdin;
+    The workers' timings interleave, so a slow phase of a shared machine lasting seconds to minutes hits them
+    alike instead of deciding a ratio. A waiting worker blocks on its stdin;
     the CPU time it used meanwhile is recorded (Measurement.idle_seconds, idle_cpu_seconds)."""
     if len({run.repeats for run in runs}) > 1:
         raise ValueError("workers taking turns need the same number of repeats")
@@ -473,7 +473,6 @@ def measure_side_by_side(runs: Sequence[WorkerRun], threads: int) -> List[Measur
                 started = time.perf_counter()
                 worker.take_turn()
                 took = time.perf_counter() - started
-                _settle(worker.process.pid)
                 for other, before in others:
                     after = _process_cpu_seconds(other.process.pid)
                     other.idle_seconds += took
@@ -481,6 +480,7 @@ def measure_side_by_side(runs: Sequence[WorkerRun], threads: int) -> List[Measur
                         other.idle_cpu_seconds = None
                     else:
                         other.idle_cpu_seconds += after - before
+                _settle(worker.process.pid)
         return [worker.result() for worker in workers]
 
 
