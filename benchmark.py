@@ -184,17 +184,15 @@ def measure_models(args: argparse.Namespace, frameworks: List[str], macs: Dict[i
                     for recipe in (args.recipes if framework == "mindspore" and mode == "train" else ["O0"])]
             print(f"measuring {', '.join(run.describe() for run in runs)} {mode} {size}x{size} batch {batch}, taking "
                   f"turns (round {round_number} of {args.rounds}) ...", file=sys.stderr, flush=True)
-            measured = [(run.framework, run.recipe if run.framework == "mindspore" and mode == "train" else "",
-                         measurement) for run, measurement in zip(runs, measure_side_by_side(runs, args.threads))]
+            measured = measure_side_by_side(runs, args.threads)
             if mode == "train" and args.train_py:  # right after the step it is compared with
                 print(f"measuring train.py {size}x{size} batch {batch} (round {round_number} of {args.rounds}) ...",
                       file=sys.stderr, flush=True)
                 # as many timed steps as the worker's, and at least 6
-                measured.append(("train.py", "", measure_train_py(args.model_name, size, batch, args.threads,
-                                                                  max(6, args.repeats * steps), work_folder,
-                                                                  args.optimizer)))
-            for framework, recipe, measurement in measured:
-                key = (framework, mode, size, batch, recipe)
+                measured.append(measure_train_py(args.model_name, size, batch, args.threads,
+                                                 max(6, args.repeats * steps), work_folder, args.optimizer))
+            for measurement in measured:  # a measurement's recipe is set for MindSpore's training only
+                key = (measurement.framework, mode, size, batch, measurement.recipe)
                 measurement = replace(measurement, round_images_per_second=[measurement.images_per_second],
                                       flops_per_image=flops_per_image(macs[size], mode))
                 if key in measurements:

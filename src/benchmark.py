@@ -97,29 +97,24 @@ def _time_steps(run_step: Callable[[], None], warmup: int, repeats: int, steps: 
             run_step()
         if finish and count:
             finish()
-    wait_turn, turn_over = turns or (None, None)
+    wait_turn, turn_over = turns or (lambda: None, lambda: None)
     alone = warmup if turns is None else max(warmup - steps, 0)
     run_block(alone)
-    if turns:
-        turn_over()
-        wait_turn()
-        run_block(warmup - alone)  # caches and thread pools warm again after the others' warm-ups
+    turn_over()
+    wait_turn()
+    run_block(warmup - alone)  # taking turns: caches and thread pools warm again after the others' warm-ups
     if when_warm:
         when_warm()
-    if turns:
-        turn_over()
+    turn_over()
     timings, started_at = [], []
     for _ in range(repeats):
-        if turns:
-            wait_turn()
+        wait_turn()
         started_at.append(time.time())
         started = time.perf_counter()
         run_block(steps)
         timings.append((time.perf_counter() - started) / steps)
-        if turns:
-            turn_over()
-    if turns:  # told when every worker is done: a process's exit would slow the others' timings
-        wait_turn()
+        turn_over()
+    wait_turn()  # told when every worker is done: a process's exit would slow the others' timings
     return timings, started_at
 
 
@@ -151,12 +146,20 @@ def _worker_env(threads: int) -> Dict[str, str]:
     return dict(os.environ, OMP_NUM_THREADS=str(threads), OPENBLAS_NUM_THREADS=str(threads))
 
 
+def _worker_command(args: List[str], threads: int) -> List[str]:
+    return [sys.executable, str(REPO / "benchmark.py"), *args, "--threads", str(threads)]
+
+
+def _worker_failed(what: str, stderr: str) -> RuntimeError:
+    return RuntimeError(f"{what}: worker failed:\n{stderr[-3000:]}")
+
+
 def _run_worker(args: List[str], threads: int, what: str):
     """Runs benchmark.py as a worker process and returns the JSON it prints last."""
-    command = [sys.executable, str(REPO / "benchmark.py"), *args, "--threads", str(threads)]
-    process = subprocess.run(command, cwd=REPO, env=_worker_env(threads), capture_output=True, text=True)
+    process = subprocess.run(_worker_command(args, threads), cwd=REPO, env=_worker_env(threads), capture_output=True,
+                             text=True)
     if process.returncode != 0:
-        raise RuntimeError(f"{what}: worker failed:\n{process.stderr[-3000:]}")
+        raise _worker_failed(what, process.stderr)
     return json.loads(process.stdout.strip().splitlines()[-1])
 
 
@@ -397,8 +400,7 @@ class _TurnTakingWorker:
     """A worker process of measure_side_by_side, its stderr in a file (a full pipe would block it)."""
 
     def __init__(self, run: WorkerRun, threads: int, stderr) -> None:
-        command = [sys.executable, str(REPO / "benchmark.py"), *run.arguments(), "--threads", str(threads),
-                   "--side_by_side"]
+        command = _worker_command([*run.arguments(), "--side_by_side"], threads)
         self.what = f"{run.describe()} {run.mode} {run.image_size}"
         self.stderr = stderr
         self.lines: List[str] = []  # its stdout, but for the turn-over lines
@@ -410,7 +412,7 @@ class _TurnTakingWorker:
     def failure(self) -> RuntimeError:
         self.process.wait()
         self.stderr.seek(0)
-        return RuntimeError(f"{self.what}: worker failed:\n{self.stderr.read()[-3000:]}")
+        return _worker_failed(self.what, self.stderr.read())
 
     def wait_until_idle(self) -> None:
         for line in self.process.stdout:
@@ -688,9 +690,9 @@ def idle_line(measurements: Sequence[Measurement]) -> str:
     if any(m.idle_cpu_seconds is None for m in waited):
         return line + " (their CPU use while waiting is read from /proc, not available here)."
     worst = max(waited, key=lambda m: m.idle_cpu_seconds / m.idle_seconds)
+    name = " ".join(part for part in (worst.framework, worst.recipe, worst.mode) if part)
     return (line + f"; while waiting, a worker used at most {100 * worst.idle_cpu_seconds / worst.idle_seconds:.1f} "
-            f"% of a core ({worst.framework} {worst.recipe} {worst.mode} {worst.image_size}x{worst.image_size})."
-            ).replace("  ", " ")
+            f"% of a core ({name} {worst.image_size}x{worst.image_size}).")
 
 
 def round_ratios(ours: Sequence[float], theirs: Sequence[float]) -> List[float]:
