@@ -851,17 +851,17 @@ void PackRowBlocks(dnnl::threadpool_interop::threadpool_iface &pool, int64_t m, 
 }
 
 // c (m, n) = post(a (m, k) x panels + bias [+ residual (m, n)]), the panels split among the pool's threads: in
-// pairs with AVX-512 where they pair up, reading a packed into `packed_rows` (m x k floats) with AVX-512
-// (PackRowBlocks).
+// pairs with AVX-512 where they pair up, reading a packed into `packed_rows` with AVX-512 (PackRowBlocks).
 void PanelMatmul(dnnl::threadpool_interop::threadpool_iface &pool, int64_t m, int64_t k, int64_t n, const float *a,
                  const float *panels, const float *bias, const float *residual, PostOp post, float *c,
-                 float *packed_rows) {
+                 Buffer &packed_rows) {
   const int64_t count = n / kPanelColumns, width = PanelsAvx512() && count % 2 == 0 ? 2 : 1, units = count / width;
   const int threads = static_cast<int>(std::min<int64_t>(pool.get_num_threads(), units));
   const bool packed = PanelsAvx512();
   if (packed) {
-    PackRowBlocks(pool, m, k, a, packed_rows);
-    a = packed_rows;
+    float *rows = static_cast<float *>(packed_rows.Get(static_cast<size_t>(m * k) * sizeof(float)));
+    PackRowBlocks(pool, m, k, a, rows);
+    a = rows;
   }
   pool.parallel_for(threads, [&](int thread, int) {
     for (int64_t unit = units * thread / threads; unit < units * (thread + 1) / threads; ++unit) {
@@ -2791,8 +2791,7 @@ class InferenceRuntime {
       const memory::dims &dims = plan.src_desc.get_dims();
       PanelMatmul(executor_.pool, dims[0], dims[1], plan.dst_desc.get_dims()[1], static_cast<const float *>(src),
                   static_cast<const float *>(kernel_weights.get_data_handle()), static_cast<const float *>(bias),
-                  static_cast<const float *>(residual), shape.post, static_cast<float *>(dst),
-                  PanelsAvx512() ? static_cast<float *>(packed_rows_.Get(plan.src_desc.get_size())) : nullptr);
+                  static_cast<const float *>(residual), shape.post, static_cast<float *>(dst), packed_rows_);
       return;
     }
     std::unordered_map<int, memory> args = {
