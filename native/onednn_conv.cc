@@ -2676,6 +2676,16 @@ struct InferencePlan {
   // A layer on channel blocks run on NHWC copies (NhwcDetourPlan): the primitive reads src_desc and writes dst_desc
   // (NHWC); the layer's own input and output are reordered from and to these blocked descs. Empty where not.
   memory::desc blocked_src, blocked_dst;
+  // Made once with the plan (InferenceRuntime::Bind), each call only pointing them at its tensors: making oneDNN's
+  // memory objects and reorders at every call spent the main thread's time in malloc while the pool waited.
+  // Whether the kernel's weights are a packed copy (else it reads them in place, weights_offset floats in).
+  bool packs_weights = false;
+  // The primitive's arguments (with the residual under kAddRelu), and the memory objects that map holds.
+  memory src, weights, bias, dst, scratchpad, residual;
+  std::unordered_map<int, memory> arguments;
+  // The gather's and the NHWC detour's reorders, with the memory objects they run on.
+  dnnl::reorder gather, to_nhwc, from_nhwc;
+  memory gather_in, gather_out, nhwc_in, nhwc_out, blocked_in, blocked_out;
 };
 
 // One layer of a residual block run in a stage's call (InferenceRuntime::Stage).
@@ -2724,9 +2734,8 @@ class InferenceRuntime {
     auto lock = executor_.Begin();
     InferencePlan &plan = GetPlan(shape);
     const bool windowed = !plan.window_from.is_zero(), paired = plan.pairs.has_value();
-    memory plain_weights(plan.source_weights_desc, engine_, static_cast<float *>(weights) + plan.weights_offset);
-    memory kernel_weights = plain_weights;
-    if (plan.weights_desc != plain_weights.get_desc() || windowed || paired) {
+    void *kernel_weights = static_cast<float *>(weights) + plan.weights_offset;
+    if (plan.packs_weights) {
       if (plan.packed.count(key.layer) == 0 && packed_bytes_ + plan.weights_desc.get_size() > kPackedWeightsLimit) {
         for (auto &entry : plans_) entry.second.packed.clear();
         packed_bytes_ = 0;
@@ -2734,8 +2743,9 @@ class InferenceRuntime {
       auto inserted = plan.packed.try_emplace(key.layer);
       if (inserted.second) packed_bytes_ += plan.weights_desc.get_size();
       PackedWeights &packed = inserted.first->second;
-      kernel_weights = memory(plan.weights_desc, engine_, packed.buffer->Get(plan.weights_desc.get_size()));
+      kernel_weights = packed.buffer->Get(plan.weights_desc.get_size());
       if (packed.version != key.version || packed.source != weights) {
+        memory plain_weights(plan.source_weights_desc, engine_, static_cast<float *>(weights) + plan.weights_offset);
         if (windowed) {
           memory window(plan.window_from, engine_, weights), matrix(plan.window_to, engine_, window_.Get(
                                                                        plan.window_to.get_size()));
@@ -2754,9 +2764,10 @@ class InferenceRuntime {
         if (plan.winograd) {
           const memory::dims &w = shape.weights;
           WinogradWeights(executor_.pool, static_cast<const float *>(weights), w[0], w[1], false, plan.winograd,
-                          static_cast<float *>(kernel_weights.get_data_handle()));
+                          static_cast<float *>(kernel_weights));
         } else {
-          dnnl::reorder(plain_weights, kernel_weights).execute(stream_, plain_weights, kernel_weights);
+          memory packed_weights(plan.weights_desc, engine_, kernel_weights);
+          dnnl::reorder(plain_weights, packed_weights).execute(stream_, plain_weights, packed_weights);
         }
         packed.version = key.version;
         packed.source = weights;
@@ -2765,22 +2776,25 @@ class InferenceRuntime {
     }
     void *blocked_dst = nullptr;
     if (!plan.blocked_src.is_zero()) {
-      memory from(plan.blocked_src, engine_, src), to(plan.src_desc, engine_, detour_[0].Get(plan.src_desc.get_size()));
-      dnnl::reorder(from, to).execute(stream_, from, to);
-      src = to.get_data_handle();
+      void *nhwc = detour_[0].Get(plan.src_desc.get_size());
+      plan.blocked_in.set_data_handle(src);
+      plan.nhwc_in.set_data_handle(nhwc);
+      plan.to_nhwc.execute(stream_, plan.blocked_in, plan.nhwc_in);
+      src = nhwc;
       blocked_dst = dst;
       dst = detour_[1].Get(plan.dst_desc.get_size());
     }
     if (!plan.gather_from.is_zero()) {
-      memory from(plan.gather_from, engine_, src), columns(plan.gather_to, engine_, columns_.Get(
-                                                                plan.gather_to.get_size()));
-      dnnl::reorder(from, columns).execute(stream_, from, columns);
-      src = columns.get_data_handle();
+      void *columns = columns_.Get(plan.gather_to.get_size());
+      plan.gather_in.set_data_handle(src);
+      plan.gather_out.set_data_handle(columns);
+      plan.gather.execute(stream_, plan.gather_in, plan.gather_out);
+      src = columns;
     }
     if (plan.winograd) {
       const memory::dims &dims = shape.src;
       WinogradConvolution(executor_.pool, {dims[0], dims[1], shape.weights[0], dims[2], dims[3], plan.winograd},
-                          static_cast<const float *>(src), static_cast<const float *>(kernel_weights.get_data_handle()),
+                          static_cast<const float *>(src), static_cast<const float *>(kernel_weights),
                           static_cast<const float *>(bias),
                           // each output pixel's residual is read just before the pixel is written
                           static_cast<const float *>(shape.post == PostOp::kAccumulateRelu ? dst : residual),
@@ -2790,24 +2804,21 @@ class InferenceRuntime {
     if (plan.panels) {
       const memory::dims &dims = plan.src_desc.get_dims();
       PanelMatmul(executor_.pool, dims[0], dims[1], plan.dst_desc.get_dims()[1], static_cast<const float *>(src),
-                  static_cast<const float *>(kernel_weights.get_data_handle()), static_cast<const float *>(bias),
+                  static_cast<const float *>(kernel_weights), static_cast<const float *>(bias),
                   static_cast<const float *>(residual), shape.post, static_cast<float *>(dst), packed_rows_);
       return;
     }
-    std::unordered_map<int, memory> args = {
-        {DNNL_ARG_SRC, memory(plan.src_desc, engine_, src)},
-        {DNNL_ARG_WEIGHTS, kernel_weights},
-        {DNNL_ARG_BIAS, memory(plan.bias_desc, engine_, bias)},
-        {DNNL_ARG_DST, memory(plan.dst_desc, engine_, dst)},
-        {DNNL_ARG_SCRATCHPAD,
-         memory(plan.scratchpad_desc, engine_, scratchpad_.Get(plan.scratchpad_desc.get_size()))}};
-    if (shape.post == PostOp::kAddRelu) {
-      args.emplace(DNNL_ARG_ATTR_MULTIPLE_POST_OP(0) | DNNL_ARG_SRC_1, memory(plan.dst_desc, engine_, residual));
-    }
-    plan.primitive.execute(stream_, args);
+    plan.src.set_data_handle(src);
+    plan.weights.set_data_handle(kernel_weights);
+    plan.bias.set_data_handle(bias);
+    plan.dst.set_data_handle(dst);
+    plan.scratchpad.set_data_handle(scratchpad_.Get(plan.scratchpad_desc.get_size()));
+    if (shape.post == PostOp::kAddRelu) plan.residual.set_data_handle(residual);
+    plan.primitive.execute(stream_, plan.arguments);
     if (blocked_dst != nullptr) {
-      memory from(plan.dst_desc, engine_, dst), to(plan.blocked_dst, engine_, blocked_dst);
-      dnnl::reorder(from, to).execute(stream_, from, to);
+      plan.nhwc_out.set_data_handle(dst);
+      plan.blocked_out.set_data_handle(blocked_dst);
+      plan.from_nhwc.execute(stream_, plan.nhwc_out, plan.blocked_out);
     }
     stream_.wait();
   }
@@ -2885,10 +2896,16 @@ class InferenceRuntime {
                                static_cast<int>(shape.dst_layout));
     auto found = plans_.find(key);
     if (found != plans_.end()) return found->second;
-    if (auto plan = MatrixProductPlan(shape)) return plans_.emplace(key, std::move(*plan)).first->second;
-    if (auto plan = PixelPairsPlan(shape)) return plans_.emplace(key, std::move(*plan)).first->second;
-    if (auto plan = WinogradPlan(shape)) return plans_.emplace(key, std::move(*plan)).first->second;
-    if (auto plan = NhwcDetourPlan(shape)) return plans_.emplace(key, std::move(*plan)).first->second;
+    InferencePlan plan = MakePlan(shape);
+    Bind(plan, shape.post);
+    return plans_.emplace(key, std::move(plan)).first->second;
+  }
+
+  InferencePlan MakePlan(const InferenceShape &shape) {
+    if (auto plan = MatrixProductPlan(shape)) return std::move(*plan);
+    if (auto plan = PixelPairsPlan(shape)) return std::move(*plan);
+    if (auto plan = WinogradPlan(shape)) return std::move(*plan);
+    if (auto plan = NhwcDetourPlan(shape)) return std::move(*plan);
     memory::desc src(shape.src, memory::data_type::f32, LayoutTag(shape.src_layout));
     memory::desc weights(shape.weights, memory::data_type::f32, tag::any);
     memory::desc bias({shape.weights[0]}, memory::data_type::f32, tag::a);
@@ -2897,9 +2914,36 @@ class InferenceRuntime {
                                                         dnnl::algorithm::convolution_direct, src, weights, bias, dst,
                                                         shape.strides, shape.padding, shape.padding,
                                                         InferenceAttr(shape.post, dst));
-    InferencePlan plan{dnnl::convolution_forward(pd), src, pd.weights_desc(), bias, dst, pd.scratchpad_desc(), {},
-                       memory::desc(shape.weights, memory::data_type::f32, tag::oihw), 0};
-    return plans_.emplace(key, std::move(plan)).first->second;
+    return InferencePlan{dnnl::convolution_forward(pd), src, pd.weights_desc(), bias, dst, pd.scratchpad_desc(), {},
+                         memory::desc(shape.weights, memory::data_type::f32, tag::oihw), 0};
+  }
+
+  // The plan's memory objects, reorders and argument map, made once (Convolution points them at each call's
+  // tensors).
+  void Bind(InferencePlan &plan, PostOp post) {
+    plan.packs_weights = plan.weights_desc != plan.source_weights_desc || !plan.window_from.is_zero() ||
+                         plan.pairs.has_value();
+    auto unbound = [&](const memory::desc &desc) { return memory(desc, engine_, nullptr); };
+    if (!plan.gather_from.is_zero()) {
+      plan.gather_in = unbound(plan.gather_from), plan.gather_out = unbound(plan.gather_to);
+      plan.gather = dnnl::reorder(plan.gather_in, plan.gather_out);
+    }
+    if (!plan.blocked_src.is_zero()) {
+      plan.blocked_in = unbound(plan.blocked_src), plan.nhwc_in = unbound(plan.src_desc);
+      plan.nhwc_out = unbound(plan.dst_desc), plan.blocked_out = unbound(plan.blocked_dst);
+      plan.to_nhwc = dnnl::reorder(plan.blocked_in, plan.nhwc_in);
+      plan.from_nhwc = dnnl::reorder(plan.nhwc_out, plan.blocked_out);
+    }
+    if (!plan.primitive) return;  // Winograd and panels take pointers
+    plan.src = unbound(plan.src_desc), plan.weights = unbound(plan.weights_desc);
+    plan.bias = unbound(plan.bias_desc), plan.dst = unbound(plan.dst_desc);
+    plan.scratchpad = unbound(plan.scratchpad_desc);
+    plan.arguments = {{DNNL_ARG_SRC, plan.src}, {DNNL_ARG_WEIGHTS, plan.weights}, {DNNL_ARG_BIAS, plan.bias},
+                      {DNNL_ARG_DST, plan.dst}, {DNNL_ARG_SCRATCHPAD, plan.scratchpad}};
+    if (post == PostOp::kAddRelu) {
+      plan.residual = unbound(plan.dst_desc);
+      plan.arguments.emplace(DNNL_ARG_ATTR_MULTIPLE_POST_OP(0) | DNNL_ARG_SRC_1, plan.residual);
+    }
   }
 
   // A layer whose output map is one pixel (layer4 at 32x32 with the ImageNet stem) is a matrix product:
