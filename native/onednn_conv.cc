@@ -221,28 +221,44 @@ memory::desc TapAsInOut(memory::dim in, memory::dim out, memory::dim taps) {
   return memory::desc({in, out}, memory::data_type::f32, memory::dims{taps, in * taps});
 }
 
-// Weight gradients that training convolutions left in their kernel's own layout, by the address of the weights
-// they are the gradient of (the parameter's, which the update receives too): the channel block B of an
-// ABcd{B}b{B}a gradient, or 0 for plain OIHW. An address, not a number per layer: a network's repeated blocks may
-// run as one shared graph (ResNet's lazy_inline), whose constants are the first block's. Writing it there
-// saves reordering it to OIHW, a strided scatter that was the largest reorder of a training step; the native
-// optimizer update reads the gradient, takes the entry and puts the gradient in OIHW order itself, one block of
-// output channels at a time, in cache (UpdatePlan). Every other consumer of the gradients between the two
-// (clipping, unscaling, overflow checks) is element-wise or a global norm, which the order does not change.
+// The layouts a training convolution may leave its weight gradient in for the native update (the layouts tensor's
+// third number): plain OIHW only; the kernel's channel blocks where it computes it so; those, or a window of the
+// kernels where only that window ever meets the input, where nothing but the update reads the gradient.
+enum class WeightGradient : int64_t { kPlain = 0, kBlocks = 1, kBlocksOrWindow = 2 };
+
+// How a weight gradient was left for the native update: in channel blocks of `block` (ABcd{B}b{B}a), or
+// (window_rows > 0) as a window of each kernel's taps only, dense (O, I, rows, cols) at the start of the
+// gradient's memory, the window's first tap at window_first of each kernel, the other taps zero and the rest of
+// the memory unwritten; else (both 0) plain OIHW.
+struct GradientLayout {
+  int block = 0;
+  int64_t window_rows = 0, window_cols = 0, window_first = 0;
+};
+
+// Weight gradients that training convolutions left in a layout of their own, by the address of the weights
+// they are the gradient of (the parameter's, which the update receives too). An address, not a number per layer:
+// a network's repeated blocks may run as one shared graph (ResNet's lazy_inline), whose constants are the first
+// block's. Channel blocks save reordering the gradient to OIHW, a strided scatter that was the largest reorder of
+// a training step; a window (the one-pixel and one-output-pixel layers, whose other taps only ever meet padding)
+// saves writing and reading the zeros, most of the gradient. The native optimizer update reads the gradient,
+// takes the entry and puts the gradient in OIHW order itself, a chunk at a time, in cache (UpdatePlan). Every
+// other consumer of the gradients between the two must be element-wise or a global norm, which the order does
+// not change, for blocks (clipping, unscaling, overflow checks), and there must be none for windows.
 class GradientLayouts {
  public:
-  static void Record(const void *weights, int block) {
+  static void Record(const void *weights, const GradientLayout &layout) {
     std::lock_guard<std::mutex> lock(Mutex());
-    Map()[weights] = block;
+    Map()[weights] = layout;
   }
-  // The weights' entry, removed (0 where none): a step that did not write the gradient (a fallback) reads plain.
-  static int Take(const void *weights) {
+  // The weights' entry, removed (plain where none): a step that did not write the gradient (a fallback) reads
+  // plain.
+  static GradientLayout Take(const void *weights) {
     std::lock_guard<std::mutex> lock(Mutex());
     auto found = Map().find(weights);
-    if (found == Map().end()) return 0;
-    const int block = found->second;
+    if (found == Map().end()) return {};
+    const GradientLayout layout = found->second;
     Map().erase(found);
-    return block;
+    return layout;
   }
   // Drops the entries no update took (gradients computed without one), so that weights allocated later at the
   // same address can't take them. The update calls it after taking its own: a step's graph runs its backward and
@@ -257,8 +273,8 @@ class GradientLayouts {
     static std::mutex mutex;
     return mutex;
   }
-  static std::unordered_map<const void *, int> &Map() {
-    static std::unordered_map<const void *, int> map;
+  static std::unordered_map<const void *, GradientLayout> &Map() {
+    static std::unordered_map<const void *, GradientLayout> map;
     return map;
   }
 };
@@ -1828,13 +1844,13 @@ class Runtime {
     stream_.wait();
   }
 
-  // The gradients of ConvBnForward's y: dx (in x's layout), dw (plain OIHW, or with kernel_layout_gradient the
-  // kernel's layout where GradientLayouts allows it, recorded there under weights), dgamma, dbeta, from dy (in y's
-  // layout) and the forward's conv_out, mean and variance. d_conv_out_result receives the convolution's output
+  // The gradients of ConvBnForward's y: dx (in x's layout), dw (plain OIHW, or as weight_gradient allows the
+  // kernel's layout or a window where GradientLayout describes one, recorded there under weights), dgamma, dbeta,
+  // from dy (in y's layout) and the forward's conv_out, mean and variance. d_conv_out_result receives the convolution's output
   // gradient, in channel blocks; with dx null the input gradient is left to ConvBnBackwardData (run only where it is
   // used), which reads it there.
   void ConvBnBackward(const Shape &shape, float eps, bool x_blocked, bool y_blocked, bool relu,
-                      bool kernel_layout_gradient, void *dy, void *conv_out, void *mean, void *variance, void *gamma,
+                      WeightGradient weight_gradient, void *dy, void *conv_out, void *mean, void *variance, void *gamma,
                       void *x, void *weights, void *relu_mask, void *dx, void *dw, void *dgamma, void *dbeta,
                       void *d_conv_out_result) {
     auto lock = executor_.Begin();
@@ -1858,11 +1874,12 @@ class Runtime {
     if (relu) args.emplace(DNNL_ARG_WORKSPACE, memory(norm.workspace, engine_, relu_mask));
     norm.backward.execute(stream_, args);
     if (dx) DataGradient(shape, x_blocked, d_conv_out, weights, dx);
-    int block = 0;  // dw's layout: plain, or (kernel_layout_gradient) the kernel's ABcd{B}b{B}a where it is one
+    GradientLayout layout;  // dw's: plain, or as weight_gradient allows, the kernel's ABcd{B}b{B}a or a window
+    const bool window = weight_gradient == WeightGradient::kBlocksOrWindow;
     if (const OnePixelPlan *pixel = GetOnePixelPlan(shape)) {
-      OnePixelBackwardWeights(*pixel, shape, d_conv_out.get_data_handle(), x, dw);
+      layout = OnePixelBackwardWeights(*pixel, shape, d_conv_out.get_data_handle(), x, dw, window);
     } else if (const GatherPlan *gather = GetGatherPlan(shape, x_desc)) {
-      GatherBackwardWeights(*gather, shape, d_conv_out.get_data_handle(), x, dw);
+      layout = GatherBackwardWeights(*gather, shape, d_conv_out.get_data_handle(), x, dw, window);
     } else if (const SmallMapPlan *small = GetSmallMapPlan(shape, x_desc)) {
       void *matrix = buffers_[2].Get(small->matrix.get_size());
       RunMatmul(small->backward_weights, d_conv_out.get_data_handle(), x, matrix);
@@ -1877,13 +1894,15 @@ class Runtime {
     } else {
       // As Run computes it, but from d_conv_out, which is already blocked.
       const Plan &filter = GetPlan(Direction::kBackwardWeights, shape);
-      if (kernel_layout_gradient) block = KernelLayoutBlock(filter.result_desc, shape.weights);
+      if (weight_gradient != WeightGradient::kPlain) {
+        layout.block = KernelLayoutBlock(filter.result_desc, shape.weights);
+      }
       Execute(filter, ToLayout(d_conv_out, filter.first_desc, &buffers_[0]),
               ToLayout(memory(x_desc, engine_, x), filter.second_desc, &buffers_[1]),
-              block ? filter.result_desc : w_plain, dw);
+              layout.block ? filter.result_desc : w_plain, dw);
     }
     stream_.wait();
-    if (kernel_layout_gradient) GradientLayouts::Record(weights, block);
+    if (weight_gradient != WeightGradient::kPlain) GradientLayouts::Record(weights, layout);
   }
 
   // ConvBnBackward's deferred input gradient: dx (in x's layout) from its d_conv_out_result.
@@ -2251,13 +2270,19 @@ class Runtime {
     RunMatmul(plan.backward_data, dy, centre, dx);
   }
 
-  void OnePixelBackwardWeights(const OnePixelPlan &plan, const Shape &shape, void *dy, void *x, void *dw) {
-    void *dw_centre = plan.kernel_1x1 ? dw : buffers_[2].Get(plan.dw_centre.get_size());
+  // dw, plain OIHW; or where `window` allows it and the kernel is larger than 1x1, only the centre tap's
+  // gradient, dense (O, I) at dw's start, as the returned layout says.
+  GradientLayout OnePixelBackwardWeights(const OnePixelPlan &plan, const Shape &shape, void *dy, void *x, void *dw,
+                                         bool window) {
+    window = window && !plan.kernel_1x1;
+    void *dw_centre = plan.kernel_1x1 || window ? dw : buffers_[2].Get(plan.dw_centre.get_size());
     RunMatmul(plan.backward_weights, dy, x, dw_centre);
+    if (window) return {0, 1, 1, plan.tap};
     if (!plan.kernel_1x1) {  // every other tap only ever met padding: its gradient is zero
       stream_.wait();
       SpreadWindow(static_cast<const float *>(dw_centre), shape, 1, 1, static_cast<float *>(dw));
     }
+    return {};
   }
 
   // One-output-pixel convolutions of a larger map: the stride-2 convolutions into layer4 at 32x32 inputs with the
@@ -2432,14 +2457,21 @@ class Runtime {
   }
 
   // dw (plain OIHW): the matrix's gradient spread back over the window of taps, zero elsewhere.
-  void GatherBackwardWeights(const GatherPlan &plan, const Shape &shape, void *dy, void *x, void *dw) {
+  // dw, plain OIHW; or where `window` allows it and the window is not the whole kernel, only the window's taps,
+  // dense (O, I, rows, cols) at dw's start, as the returned layout says.
+  GradientLayout GatherBackwardWeights(const GatherPlan &plan, const Shape &shape, void *dy, void *x, void *dw,
+                                       bool window) {
     void *columns = GatherInput(plan, x, &buffers_[0]);
-    void *matrix = plan.copy_weights ? buffers_[2].Get(plan.matrix.get_size()) : dw;
+    window = window && plan.copy_weights;
+    void *matrix = plan.copy_weights && !window ? buffers_[2].Get(plan.matrix.get_size()) : dw;
     RunMatmul(plan.backward_weights, dy, columns, matrix);
-    if (!plan.copy_weights) return;
+    const int64_t pad = shape.padding[0];  // the window's first tap, as SpreadWindow places it
+    if (window) return {0, plan.window.rows, plan.window.cols, pad * shape.weights[3] + pad};
+    if (!plan.copy_weights) return {};
     stream_.wait();
     SpreadWindow(static_cast<const float *>(matrix), shape, plan.window.rows, plan.window.cols,
                  static_cast<float *>(dw));
+    return {};
   }
 
   // The OIHW weight gradient dw of a one-output-pixel layer from its window's taps, dense (O, I, rows, cols): the
@@ -3197,24 +3229,27 @@ int Launch(Direction direction, int stride, int padding, int nparam, void **para
   return Guarded("onednn_conv", [&] { Runtime::Get().Run(direction, shape, first, second, params[nparam - 1]); });
 }
 
-// (x blocked, y blocked, the weight gradient in the kernel's layout, ReLU) from the training ops' layouts tensor of
-// `count` numbers (int64, each 0 or 1: x's and y's layout, 0 plain NCHW, 1 channel blocks; 1 where the weight
-// gradient may come in the kernel's layout, see GradientLayouts; 1 for the ReLU), checked against the tensors'
-// channels; false (with a message) when it can't be used.
+// (x blocked, y blocked, the weight gradient's layouts allowed, ReLU) from the training ops' layouts tensor of
+// `count` numbers (int64: x's and y's layout, 0 plain NCHW, 1 channel blocks; the weight gradient's, a
+// WeightGradient, see GradientLayouts; 1 for the ReLU, else 0), checked against the tensors' channels; false (with
+// a message) when it can't be used.
 bool ReadTrainingLayouts(const char *what, const int64_t *layouts, int64_t count, const Shape &shape, bool *x_blocked,
-                         bool *y_blocked, bool *kernel_layout_gradient, bool *relu) {
+                         bool *y_blocked, WeightGradient *weight_gradient, bool *relu) {
   if (count != 4) {
     std::fprintf(stderr, "%s: the layouts (x's, y's, the weight gradient's, ReLU) must be 4 numbers, got %lld\n",
                  what, static_cast<long long>(count));
     return false;
   }
   for (int i = 0; i < 4; ++i) {
-    if (layouts[i] != 0 && layouts[i] != 1) {
-      std::fprintf(stderr, "%s: layout entry %lld is neither 0 nor 1\n", what, static_cast<long long>(layouts[i]));
+    const int64_t most = i == 2 ? static_cast<int64_t>(WeightGradient::kBlocksOrWindow) : 1;
+    if (layouts[i] < 0 || layouts[i] > most) {
+      std::fprintf(stderr, "%s: layout entry %d is %lld, not 0 to %lld\n", what, i, static_cast<long long>(layouts[i]),
+                   static_cast<long long>(most));
       return false;
     }
   }
-  *x_blocked = layouts[0] == 1, *y_blocked = layouts[1] == 1, *kernel_layout_gradient = layouts[2] == 1;
+  *x_blocked = layouts[0] == 1, *y_blocked = layouts[1] == 1;
+  *weight_gradient = static_cast<WeightGradient>(layouts[2]);
   *relu = layouts[3] == 1;
   if (*x_blocked && shape.src[1] % ChannelBlock() != 0) {
     std::fprintf(stderr, "%s: a blocked input needs channels in multiples of %d, got %lld\n", what, ChannelBlock(),
@@ -3283,9 +3318,10 @@ int LaunchConvBnForward(int stride, int padding, bool residual_add_relu, int npa
                  static_cast<long long>(shapes[7][0]));
     return 1;
   }
-  bool x_blocked, y_blocked, kernel_layout_gradient, relu;
+  bool x_blocked, y_blocked, relu;
+  WeightGradient weight_gradient;
   if (!ReadTrainingLayouts(what, static_cast<const int64_t *>(params[7]), shapes[7][0], shape, &x_blocked,
-                           &y_blocked, &kernel_layout_gradient, &relu) ||
+                           &y_blocked, &weight_gradient, &relu) ||
       !CheckReluMask(what, shape.dst, output_shapes[6][0])) {
     return 1;
   }
@@ -3326,15 +3362,16 @@ int LaunchConvBnBackward(bool defer_input, int stride, int padding, int nparam, 
                                        "float32", "float32", "float32", "float32", "float32"};
   if (!CheckTensors(what, nparam, defer_input ? 14 : 15, ndims, dtypes, wanted_ndims, wanted_dtypes)) return 1;
   Shape shape{Dims(shapes[7]), Dims(shapes[8]), Dims(shapes[0]), {stride, stride}, {padding, padding}};
-  bool x_blocked, y_blocked, kernel_layout_gradient, relu;
+  bool x_blocked, y_blocked, relu;
+  WeightGradient weight_gradient;
   if (!ReadTrainingLayouts(what, static_cast<const int64_t *>(params[6]), shapes[6][0], shape, &x_blocked,
-                           &y_blocked, &kernel_layout_gradient, &relu) ||
+                           &y_blocked, &weight_gradient, &relu) ||
       !CheckReluMask(what, shape.dst, shapes[9][0])) {
     return 1;
   }
   const float eps = *static_cast<const float *>(params[5]);
   return Guarded(what, [&] {
-    Runtime::Get().ConvBnBackward(shape, eps, x_blocked, y_blocked, relu, kernel_layout_gradient, params[0],
+    Runtime::Get().ConvBnBackward(shape, eps, x_blocked, y_blocked, relu, weight_gradient, params[0],
                                   params[1], params[2], params[3], params[4], params[7], params[8], params[9],
                                   defer_input ? nullptr : params[10], params[11], params[12], params[13],
                                   defer_input ? params[10] : params[14]);
@@ -3351,9 +3388,10 @@ int LaunchConvBnBackwardData(int stride, int padding, int nparam, void **params,
   const char *const wanted_dtypes[] = {"float32", "float32", "int64", "float32", "float32"};
   if (!CheckTensors(what, nparam, 5, ndims, dtypes, wanted_ndims, wanted_dtypes)) return 1;
   Shape shape{Dims(shapes[3]), Dims(shapes[1]), Dims(shapes[0]), {stride, stride}, {padding, padding}};
-  bool x_blocked, y_blocked, kernel_layout_gradient, relu;
+  bool x_blocked, y_blocked, relu;
+  WeightGradient weight_gradient;
   if (!ReadTrainingLayouts(what, static_cast<const int64_t *>(params[2]), shapes[2][0], shape, &x_blocked,
-                           &y_blocked, &kernel_layout_gradient, &relu)) {
+                           &y_blocked, &weight_gradient, &relu)) {
     return 1;
   }
   return Guarded(what, [&] { Runtime::Get().ConvBnBackwardData(shape, x_blocked, params[0], params[1], params[4]); });
@@ -3809,6 +3847,21 @@ __attribute__((optimize("O3"))) void BlockToRows16Baseline(BLOCK_TO_ROWS_ARGS) {
 __attribute__((target("avx2"), optimize("O3"))) void BlockToRows8Avx2(BLOCK_TO_ROWS_ARGS) { BLOCK_TO_ROWS_LOOP(8) }
 __attribute__((optimize("O3"))) void BlockToRows8Baseline(BLOCK_TO_ROWS_ARGS) { BLOCK_TO_ROWS_LOOP(8) }
 
+// Kernels [first, first + count) of a gradient left as `layout`'s window (dense (kernels, rows, cols) in `window`),
+// in plain order in `kernels`: the window's taps in place, zero elsewhere.
+void WindowToKernels(const GradientLayout &layout, const float *window, int64_t first, int64_t count, int64_t taps,
+                     int64_t kernel_width, float *kernels) {
+  const int64_t rows = layout.window_rows, cols = layout.window_cols;
+  std::memset(kernels, 0, static_cast<size_t>(count * taps) * sizeof(float));
+  for (int64_t k = 0; k < count; ++k) {
+    const float *from = window + (first + k) * rows * cols;
+    float *to = kernels + k * taps + layout.window_first;
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t c = 0; c < cols; ++c) to[r * kernel_width + c] = from[r * cols + c];
+    }
+  }
+}
+
 void BlockToRows(int block, const float *src, float *dst, int64_t in_channels, int64_t taps) {
   static const auto rows16 = StepVectorBits() == 512 ? BlockToRows16Avx512 : BlockToRows16Baseline;
   static const auto rows8 = StepVectorBits() >= 256 ? BlockToRows8Avx2 : BlockToRows8Baseline;
@@ -3816,11 +3869,11 @@ void BlockToRows(int block, const float *src, float *dst, int64_t in_channels, i
 }
 
 // An optimizer update's inputs: `scalars` float32 values (one each), the decays (float32, one per parameter), the
-// gradients' layouts (int64, one per parameter: 1 where its gradient may come in a kernel's layout, to take from
-// GradientLayouts, else 0), then `parts` lists
-// of n float32 tensors (weights first, the gradients last, the state between, each the weight's size), then the
-// output (float32 [1]). Checks them and splits the work into chunks small enough to balance two or more threads
-// and large enough to stream; a gradient in a kernel's layout is read one block of output channels at a time.
+// gradients' layouts (int64, one per parameter: 1 where its gradient may come in a layout of its own, to take from
+// GradientLayouts, else 0), then `parts` lists of n float32 tensors (weights first, the gradients last, the state
+// between, each the weight's size), then the output (float32 [1]). Checks them and splits the work into chunks
+// small enough to balance two or more threads and large enough to stream; a gradient in a kernel's layout is read
+// one block of output channels at a time, a window's a run of whole kernels at a time.
 struct UpdatePlan {
   static constexpr int64_t kChunkElements = 1 << 16;
   struct Chunk {
@@ -3831,8 +3884,8 @@ struct UpdatePlan {
   const float *decays = nullptr;
   const float *const *gradients = nullptr;
   std::vector<int64_t> sizes;
-  std::vector<int> blocks;  // per parameter: its gradient's channel block (0: plain OIHW)
-  std::vector<int64_t> in_channels, taps;
+  std::vector<GradientLayout> layouts;  // per parameter: its gradient's (plain OIHW where both are 0)
+  std::vector<int64_t> in_channels, taps, kernel_width;
   std::vector<Chunk> chunks;
 
   bool Read(const char *what, int scalars, int parts, int nparam, int *ndims, int64_t **shapes,
@@ -3873,7 +3926,7 @@ struct UpdatePlan {
     const auto *kernel_layouts = static_cast<const int64_t *>(params[scalars + 1]);
     const int first_weight = scalars + 2;
     gradients = reinterpret_cast<const float *const *>(params + first_weight + (parts - 1) * n);
-    sizes.resize(n), blocks.assign(n, 0), in_channels.assign(n, 0), taps.assign(n, 0);
+    sizes.resize(n), layouts.assign(n, {}), in_channels.assign(n, 0), taps.assign(n, 0), kernel_width.assign(n, 0);
     for (int k = 0; k < n; ++k) {
       sizes[k] = elements(first_weight + k);
       for (int part = 1; part < parts; ++part) {
@@ -3882,18 +3935,30 @@ struct UpdatePlan {
           return false;
         }
       }
-      const int block = kernel_layouts[k] == 1 ? GradientLayouts::Take(params[first_weight + k]) : 0;
+      const GradientLayout layout = kernel_layouts[k] == 1 ? GradientLayouts::Take(params[first_weight + k])
+                                                           : GradientLayout{};
+      const int block = layout.block;
       const int64_t *shape = shapes[first_weight + k];
-      if (block && (ndims[first_weight + k] != 4 || shape[0] % block != 0 || shape[1] % block != 0)) {
+      const bool four = ndims[first_weight + k] == 4;
+      if (block && (!four || shape[0] % block != 0 || shape[1] % block != 0)) {
         std::fprintf(stderr, "%s: parameter %d's gradient came in channel blocks of %d, which its shape can't hold\n",
                      what, k, block);
         return false;
       }
-      if (block) blocks[k] = block, in_channels[k] = shape[1], taps[k] = shape[2] * shape[3];
+      if (layout.window_rows &&
+          (!four || layout.window_rows > shape[2] || layout.window_cols > shape[3] ||
+           layout.window_first + (layout.window_rows - 1) * shape[3] + layout.window_cols > shape[2] * shape[3])) {
+        std::fprintf(stderr, "%s: parameter %d's gradient came as a window its kernels can't hold\n", what, k);
+        return false;
+      }
+      layouts[k] = layout;
+      if (four) in_channels[k] = shape[1], taps[k] = shape[2] * shape[3], kernel_width[k] = shape[3];
     }
     GradientLayouts::Clear();
     for (int k = 0; k < n; ++k) {
-      const int64_t step = blocks[k] ? blocks[k] * in_channels[k] * taps[k] : kChunkElements;
+      const int64_t step = layouts[k].block ? layouts[k].block * in_channels[k] * taps[k]
+                           : layouts[k].window_rows ? std::max<int64_t>(1, kChunkElements / taps[k]) * taps[k]
+                                                    : kChunkElements;
       for (int64_t first = 0; first < sizes[k]; first += step) {
         chunks.push_back({k, first, std::min(sizes[k] - first, step)});
       }
@@ -3910,11 +3975,24 @@ struct UpdatePlan {
       auto lock = executor.Begin();
       executor.pool.parallel_for(static_cast<int>(chunks.size()), [&](int index, int) {
         const Chunk &chunk = chunks[index];
+        const GradientLayout &layout = layouts[chunk.k];
         const float *gradient = gradients[chunk.k] + chunk.first;
-        if (blocks[chunk.k]) {
-          thread_local std::vector<float> rows;
+        thread_local std::vector<float> rows;
+        if (layout.window_rows) {
+          // A few kernels at a time, through the L1: the update's other streams would evict a larger run.
+          const int64_t kernel_taps = taps[chunk.k], step_kernels = std::max<int64_t>(1, 4096 / kernel_taps);
+          rows.resize(step_kernels * kernel_taps);
+          for (int64_t done = 0; done < chunk.count; done += step_kernels * kernel_taps) {
+            const int64_t count = std::min(chunk.count - done, step_kernels * kernel_taps);
+            WindowToKernels(layout, gradients[chunk.k], (chunk.first + done) / kernel_taps, count / kernel_taps,
+                            kernel_taps, kernel_width[chunk.k], rows.data());
+            step(chunk.k, chunk.first + done, count, rows.data());
+          }
+          return;
+        }
+        if (layout.block) {
           rows.resize(chunk.count);
-          BlockToRows(blocks[chunk.k], gradient, rows.data(), in_channels[chunk.k], taps[chunk.k]);
+          BlockToRows(layout.block, gradient, rows.data(), in_channels[chunk.k], taps[chunk.k]);
           gradient = rows.data();
         }
         step(chunk.k, chunk.first, chunk.count, gradient);

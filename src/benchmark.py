@@ -177,7 +177,7 @@ def mindspore_step(mode: str, model_name: str, image_size: int, batch_size: int,
     from src.lr_schedule import schedule_from_config
     from src.model_utils.config import load_config
     from src.resnet import build_resnet
-    from src.train_step import AmpSetting, build_train_step
+    from src.train_step import AmpSetting, build_train_step, update_alone_reads_gradients
     from src.trainer import build_optimizer, native_update_allowed
     from src.utils import set_execution_mode
 
@@ -202,10 +202,11 @@ def mindspore_step(mode: str, model_name: str, image_size: int, batch_size: int,
         return lambda: inference_net(images).asnumpy(), ran, None
     learning_rates = schedule_from_config(config.replace(epoch_size=1, warmup_epochs=0), total_steps)
     native = native_update_allowed(config, conv_implementation) and "-nn_optimizer" not in recipe
-    update = build_optimizer(config, net.trainable_params(), learning_rates, native=native,
-                             gradients_from=None if "-oihw_gradients" in recipe else net)
     level = check_recipe(recipe).split("-")[0]
     amp = AmpSetting(level, None if level == "O0" else config.loss_scale)
+    update = build_optimizer(config, net.trainable_params(), learning_rates, native=native,
+                             gradients_from=None if "-oihw_gradients" in recipe else net,
+                             gradient_windows=update_alone_reads_gradients(config, amp))
     sink = "-sink" in recipe
     train_step = build_train_step(net, update, config, amp, sink=sink)
     if sink:

@@ -13,7 +13,7 @@ import mindspore as ms
 import numpy as np
 from mindspore import nn, ops
 
-from src.onednn_conv import BlockedConv2d, usable_library
+from src.onednn_conv import GRADIENT_BLOCKS, GRADIENT_BLOCKS_OR_WINDOW, BlockedConv2d, usable_library
 
 def _update_shape(*shapes):
     return (1,)
@@ -41,13 +41,16 @@ def _native_update(optimizer: nn.Optimizer, kernel: str) -> Tuple[ms.Tensor, ms.
     return ms.Tensor(np.array(decays, np.float32)), layouts, update
 
 
-def gradients_in_kernel_layout(net: nn.Cell, optimizer: nn.Optimizer) -> int:
+def gradients_in_kernel_layout(net: nn.Cell, optimizer: nn.Optimizer, windows: bool = False) -> int:
     """Lets net's fused convolution+BatchNorm layers hand their weight gradients to optimizer, a native update, in
     the convolution kernel's own layout: the update puts them in OIHW order itself, in cache, which saves the
     training step a reorder of every weight gradient. Call it before the step first runs (compiles), and only
     where the gradients go from the network to this optimizer through element-wise operations or global norms
     (clipping, loss scale): not across processes whose CPUs may differ (data-parallel all-reduce), and not into
-    any other optimizer. Returns the number of layers that do."""
+    any other optimizer. windows, only where nothing but the update reads the gradients (no clipping, no loss
+    scale): layers whose output pixel only ever meets a window of each kernel (layer4's at 32x32 inputs) then
+    write that window's gradient alone, not the zeros around it, and leave the rest of the gradient's memory
+    unwritten. Returns the number of layers that hand their gradients over."""
     if not isinstance(optimizer, NATIVE_OPTIMIZERS):
         raise ValueError(f"gradients_in_kernel_layout needs a native optimizer, got {type(optimizer).__name__}")
     index = {param.name: k for k, param in enumerate(optimizer._parameters)}
@@ -55,7 +58,7 @@ def gradients_in_kernel_layout(net: nn.Cell, optimizer: nn.Optimizer) -> int:
     count = 0
     for _, cell in net.cells_and_names():
         if isinstance(cell, BlockedConv2d) and cell.runs_batchnorm_itself() and cell.weight.name in index:
-            cell.kernel_layout_gradient = True
+            cell.weight_gradient_layout = GRADIENT_BLOCKS_OR_WINDOW if windows else GRADIENT_BLOCKS
             layouts[index[cell.weight.name]] = 1
             count += 1
     optimizer.gradient_layouts = ms.Tensor(layouts)

@@ -28,6 +28,8 @@ SUPPORTED_PADDINGS = (0, 1, 2, 3)
 # without AVX-512) in a tensor of the same (N, C, H, W) shape, which MindSpore's element-wise ops (ReLU, the
 # residual addition and their gradients) handle as they handle any other order of the same numbers.
 PLAIN, BLOCKED = 0, 1
+# The layouts a training convolution may leave its weight gradient in (native/onednn_conv.cc's WeightGradient).
+GRADIENT_PLAIN, GRADIENT_BLOCKS, GRADIENT_BLOCKS_OR_WINDOW = 0, 1, 2
 
 
 @functools.lru_cache(maxsize=None)
@@ -166,8 +168,8 @@ def _conv_batchnorm_op(stride: int, padding: int, defer_input_gradient: bool = F
                        residual_add_relu: bool = False) -> ops.Custom:
     """Convolution then BatchNorm on the batch's statistics in one native call (training), and a ReLU where the
     layouts say so, with its gradient op as bprop: (x, weight, gamma, beta, moving mean, moving variance, (eps,
-    momentum), layouts (x's, y's: PLAIN or BLOCKED; the weight gradient's: 1 where it may come in the kernel's layout,
-    BlockedConv2d.kernel_layout_gradient; 1 for the ReLU, else 0)) -> (y, the convolution's output in channel
+    momentum), layouts (x's, y's: PLAIN or BLOCKED; the weight gradient's, BlockedConv2d.weight_gradient_layout;
+    1 for the ReLU, else 0)) -> (y, the convolution's output in channel
     blocks, kept for the gradient, batch mean, batch variance (biased), new moving mean, new moving variance, the
     ReLU's mask for the gradient: uint8, a bit a number, unused without the ReLU).
     The gradient of x comes in x's layout.
@@ -363,13 +365,13 @@ def _add_relu_op() -> ops.Custom:
 
 @constexpr
 def _batchnorm_call_arguments(eps: float, momentum: float, x_layout: int, y_layout: int,
-                              kernel_layout_gradient: bool, relu: bool) -> Tuple[ms.Tensor, ms.Tensor]:
+                              weight_gradient_layout: int, relu: bool) -> Tuple[ms.Tensor, ms.Tensor]:
     """The two small tensors a conv+BatchNorm call takes besides the data: (eps, momentum) as float32, the layouts
     (x's, y's, the weight gradient's, ReLU) as int64. Made in Python while the graph compiles (constexpr): built
     inside construct with ms.Tensor and int(), they took a quarter to a third of a training step's compile time
     (ResNet-18 and ResNet-50, docs/performance.md)."""
     return (ms.Tensor([eps, momentum], ms.float32),
-            ms.Tensor([int(x_layout), int(y_layout), int(kernel_layout_gradient), int(relu)], ms.int64))
+            ms.Tensor([int(x_layout), int(y_layout), int(weight_gradient_layout), int(relu)], ms.int64))
 
 
 def _symmetric_padding(cell: nn.Conv2d) -> Optional[int]:
@@ -401,9 +403,10 @@ class BlockedConv2d(nn.Conv2d):
         self.batchnorm_op = _conv_batchnorm_op(stride[0], padding) if fusable else None
         self.batchnorm_add_relu_op = _conv_batchnorm_op(stride[0], padding, residual_add_relu=True) if fusable else None
         self.blocked_stride, self.blocked_padding = stride[0], padding  # what the native ops are told
-        # False: the weight gradient comes in plain OIHW. True (see gradients_in_kernel_layout): it may come in the
-        # convolution kernel's own layout, for a native optimizer update that reads it there.
-        self.kernel_layout_gradient = False
+        # Where the weight gradient may come (see gradients_in_kernel_layout): GRADIENT_PLAIN, plain OIHW;
+        # GRADIENT_BLOCKS, also the convolution kernel's own layout, for a native optimizer update that reads it
+        # there; GRADIENT_BLOCKS_OR_WINDOW, also only the taps that ever meet the input, for that update alone.
+        self.weight_gradient_layout = GRADIENT_PLAIN
 
     @staticmethod
     def channel_block_cells() -> Tuple[ChannelBlocks, ChannelBlocks]:
@@ -439,7 +442,7 @@ class BlockedConv2d(nn.Conv2d):
             y = bn(self.construct(x))
             return ops.relu(y) if relu else y
         constants, layouts = _batchnorm_call_arguments(bn.eps, bn.momentum, x_layout, y_layout,
-                                                       self.kernel_layout_gradient, relu)
+                                                       self.weight_gradient_layout, relu)
         # By index: unpacked with _ for the unused outputs, each left a node that MindSpore's compiler removed with a
         # "side effect nodes were eliminated by mistake" warning.
         outputs = self.batchnorm_op(x, self.weight, bn.gamma, bn.beta, bn.moving_mean, bn.moving_variance,
@@ -458,7 +461,7 @@ class BlockedConv2d(nn.Conv2d):
                 or bn.use_batch_statistics is False):
             return _add_relu_op()(self.with_batchnorm(x, bn, BLOCKED, BLOCKED), residual)
         constants, layouts = _batchnorm_call_arguments(bn.eps, bn.momentum, BLOCKED, BLOCKED,
-                                                       self.kernel_layout_gradient, False)
+                                                       self.weight_gradient_layout, False)
         outputs = self.batchnorm_add_relu_op(x, self.weight, bn.gamma, bn.beta, bn.moving_mean,
                                              bn.moving_variance, constants, layouts, residual)
         ops.assign(bn.moving_mean, outputs[4])

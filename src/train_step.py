@@ -229,6 +229,12 @@ def _rewrite_folder() -> Iterator[None]:
         sys.path[:] = previous_path
 
 
+def update_alone_reads_gradients(config, amp: AmpSetting) -> bool:
+    """Whether build_train_step's step hands the gradients straight to the optimizer: neither clipped (nor their
+    norm taken) nor unscaled and checked for overflow on the way."""
+    return amp.loss_scale is None and config.grad_clip_norm <= 0
+
+
 def build_train_step(net: nn.Cell, optimizer: nn.Optimizer, config, amp: AmpSetting, sink: bool = False,
                      ema: Optional[WeightsEma] = None) -> Union[StepWithTotals, StepWithHostTotals]:
     """net's training step with config's loss (cross-entropy, label smoothing) at amp's precision, keeping the

@@ -27,7 +27,7 @@ from src.native_optimizer import NativeAdam, NativeMomentum, NativeNesterovSGD, 
 from src.process_memory import return_freed_heap
 from src.profiling import StepProfiler
 from src.resnet import build_resnet
-from src.train_step import build_train_step, resolve_amp
+from src.train_step import build_train_step, resolve_amp, update_alone_reads_gradients
 from src.training_checkpoints import CheckpointWriter, TrainingState, restore_training_state
 from src.utils import RunEnv
 from src.weights.pretrained import load_pretrained
@@ -80,13 +80,14 @@ def weights_digest(net: nn.Cell) -> str:
 
 
 def build_optimizer(config, params, learning_rates: np.ndarray, native: bool = False,
-                    gradients_from: Optional[nn.Cell] = None) -> nn.Optimizer:
+                    gradients_from: Optional[nn.Cell] = None, gradient_windows: bool = False) -> nn.Optimizer:
     """Adam or momentum SGD (Nesterov with config.nesterov) over params, with weight decay on every parameter as in
     torch.optim, or, with config.no_weight_decay_bn_bias, on every parameter but BatchNorm's and biases (1-D ones).
     native (the native library in use, float32 parameters on CPU): the update, decay included, runs as one native
     pass (src/native_optimizer.py), with the results of the MindSpore optimizer it stands for; gradients_from (the
     network of params, in a single-process run) then hands it its convolutions' weight gradients in their kernels'
-    layout (gradients_in_kernel_layout).
+    layout, and with gradient_windows (only where the update alone reads them: update_alone_reads_gradients) as
+    windows of taps where only those meet the input (gradients_in_kernel_layout).
 
     The parameters go in as explicit groups: given a plain list, MindSpore's optimizers skip weight decay for
     BatchNorm gamma/beta, which the reference's torch.optim.Adam does not.
@@ -114,7 +115,7 @@ def build_optimizer(config, params, learning_rates: np.ndarray, native: bool = F
     else:
         optimizer = NativeMomentum(group, learning_rate=lr, momentum=config.momentum)
     if gradients_from is not None:
-        gradients_in_kernel_layout(gradients_from, optimizer)
+        gradients_in_kernel_layout(gradients_from, optimizer, windows=gradient_windows)
     return optimizer
 
 
@@ -156,12 +157,13 @@ class Trainer:
         self.ema_net: Optional[nn.Cell] = None  # a network holding the EMA's weights, to evaluate them
         self.ema_inference_net: Optional[nn.Cell] = None
         self.learning_rates = schedule_from_config(config, self.steps_per_epoch)
+        self.amp = resolve_amp(config, env.device_target, logger)
         # Across processes the gradients are summed (all-reduce): they keep the plain layout there, which does not
         # depend on each machine's CPU.
         self.optimizer = build_optimizer(config, self.net.trainable_params(), self.learning_rates,
                                          native=native_update_allowed(config, env.conv_implementation),
-                                         gradients_from=self.net if env.group_size == 1 else None)
-        self.amp = resolve_amp(config, env.device_target, logger)
+                                         gradients_from=self.net if env.group_size == 1 else None,
+                                         gradient_windows=update_alone_reads_gradients(config, self.amp))
         self.sink_mode = config.dataset_sink_mode
         self.step = build_train_step(self.net, self.optimizer, config, self.amp, sink=self.sink_mode, ema=self.ema)
         self.step_compiled = False

@@ -133,7 +133,7 @@ ms.set_seed(1)
 config = load_config(sys.argv[3:])
 net = build_resnet(sys.argv[2], 10, conv_implementation="onednn_blocked")
 optimizer = build_optimizer(config, net.trainable_params(), np.full(3, 0.05, np.float32), native=True,
-                            gradients_from=net if sys.argv[1] == "1" else None)
+                            gradients_from=net if sys.argv[1] != "0" else None, gradient_windows=sys.argv[1] == "2")
 step = build_train_step(net, optimizer, config, AmpSetting("O0"))
 rng = np.random.default_rng(0)
 for _ in range(3):
@@ -153,7 +153,8 @@ print("LAYERS", int((optimizer.gradient_layouts.asnumpy() == 1).sum()), "WEIGHTS
 def test_weight_gradients_in_the_kernels_layout_train_to_the_same_weights(isa, model, options):
     """With gradients_from, the convolutions' weight gradients reach the native update in the kernel's blocked
     layout (no reorder of them to OIHW runs) and the update puts them back in order itself: the weights after
-    three steps are bit for bit those of the plain-gradient run. Uncapped, an AVX-512 CPU takes 16-channel blocks
+    three steps are bit for bit those of the plain-gradient run, also with gradient_windows, where layer4's layers
+    at 32x32 leave only the taps that meet their input. Uncapped, an AVX-512 CPU takes 16-channel blocks
     (1x1 kernels transposed in registers); under the AVX2 cap, 8-channel blocks. ResNet-50's repeated blocks run
     as one shared graph each (lazy_inline), with the first block's constants: each weight gradient's layout must
     still reach the update for its own weights."""
@@ -164,9 +165,9 @@ def test_weight_gradients_in_the_kernels_layout_train_to_the_same_weights(isa, m
         layers, _, weights = output.split("LAYERS", 1)[1].split()[:3]
         return len(gradient_reorders), int(layers), weights
 
-    kernel_layout, plain = train("1"), train("0")
+    kernel_layout, windows, plain = train("1"), train("2"), train("0")
     # Every convolution (ResNet-18's 20, ResNet-50's 53; the stem's gradient, 3 channels, stays plain).
-    assert kernel_layout[:2] == (0, 20 if model == "resnet18" else 53)
+    assert kernel_layout[:2] == windows[:2] == (0, 20 if model == "resnet18" else 53)
     # Without it every step reorders most of them (ResNet-18: measured 14 a step with 16-channel blocks): not the
     # stem's, nor those of layer4's convolutions into one-pixel maps (matrix products at 32x32, on plain weights).
     # With 8-channel blocks (AVX2) the seven 3x3 stride-1 layers on maps of 4x4 and up compute theirs natively
@@ -175,7 +176,7 @@ def test_weight_gradients_in_the_kernels_layout_train_to_the_same_weights(isa, m
     wide = native_channel_block(isa) == 16
     least = (24 if wide else 30) if model == "resnet50" else 10 if wide else 4
     assert plain[1] == 0 and plain[0] >= 3 * least and plain[0] % 3 == 0, plain
-    assert kernel_layout[2] == plain[2]
+    assert kernel_layout[2] == windows[2] == plain[2]
 
 
 def test_gradients_in_kernel_layout_needs_a_native_optimizer():
@@ -187,3 +188,47 @@ def test_gradients_in_kernel_layout_needs_a_native_optimizer():
     native = NativeAdam(net.trainable_params(), 0.01)
     assert gradients_in_kernel_layout(net, native) == 20
     assert (native.gradient_layouts.asnumpy() == 1).sum() == 20
+
+
+def test_gradient_windows_only_where_the_update_alone_reads_the_gradients():
+    """Windows of taps leave the rest of a gradient's memory unwritten, so build_train_step's steps that clip the
+    gradients or unscale them and check them for overflow must not get them."""
+    from src.model_utils.config import load_config
+    from src.train_step import AmpSetting, update_alone_reads_gradients
+    assert update_alone_reads_gradients(load_config([]), AmpSetting("O0"))
+    assert not update_alone_reads_gradients(load_config(["--grad_clip_norm", "1"]), AmpSetting("O0"))
+    assert not update_alone_reads_gradients(load_config([]), AmpSetting("O2", 1024.0))
+
+
+@pytest.mark.parametrize("clip", [0.0, 0.01], ids=["unclipped", "clipped"])
+def test_native_update_with_gradients_from_the_network_moves_the_weights_by_the_gradients(clip):
+    """SGD with lr 1 and no momentum or decay moves the weights by exactly minus the gradients. ResNet-18 at 32x32,
+    whose layer4 convolutions see one pixel, hands the update its gradients in the kernels' layouts, and windows of
+    taps where nothing else reads them: the move is the gradients of MindSpore's optimizer in the same step, and
+    with clipping their global norm is grad_clip_norm (a gradient with unwritten memory in it would not be)."""
+    from src.model_utils.config import load_config
+    from src.resnet import build_resnet
+    from src.train_step import AmpSetting, build_train_step, update_alone_reads_gradients
+    config = load_config(["--optimizer", "momentum", "--momentum", "0", "--weight_decay", "0",
+                          "--grad_clip_norm", str(clip)])
+    amp = AmpSetting("O0")
+    rng = np.random.default_rng(0)
+    images = ms.Tensor(rng.standard_normal((4, 3, 32, 32)).astype(np.float32))
+    labels = ms.Tensor(rng.integers(0, 10, 4).astype(np.int32))
+    moves = []
+    for native in (False, True):
+        ms.set_seed(3)
+        net = build_resnet("resnet18", 10, conv_implementation="onednn_blocked")
+        optimizer = build_optimizer(config, net.trainable_params(), np.ones(2, np.float32), native=native,
+                                    gradients_from=net if native else None,
+                                    gradient_windows=native and update_alone_reads_gradients(config, amp))
+        step = build_train_step(net, optimizer, config, amp)
+        before = [p.asnumpy().astype(np.float64) for p in net.trainable_params()]
+        step(images, labels)
+        moves.append([p.asnumpy() - old for p, old in zip(net.trainable_params(), before)])
+    reference, native_move = moves
+    norm = np.sqrt(sum(float((m ** 2).sum()) for m in native_move))
+    if clip:
+        assert norm == pytest.approx(clip, rel=1e-3)
+    for want, got in zip(reference, native_move):
+        assert np.abs(got - want).max() <= 1e-5 * max(np.abs(want).max(), 1e-30) + 1e-12
