@@ -1845,12 +1845,13 @@ class Runtime {
   }
 
   // The gradients of ConvBnForward's y: dx (in x's layout), dw (plain OIHW, or as weight_gradient allows the
-  // kernel's layout or a window where GradientLayout describes one, recorded there under weights), dgamma, dbeta,
-  // from dy (in y's layout) and the forward's conv_out, mean and variance. d_conv_out_result receives the convolution's output
-  // gradient, in channel blocks; with dx null the input gradient is left to ConvBnBackwardData (run only where it is
-  // used), which reads it there.
+  // kernel's layout or a window where GradientLayout describes one, recorded in GradientLayouts under weights),
+  // dgamma, dbeta, from dy (in y's layout) and the forward's conv_out, mean and variance. d_conv_out_result
+  // receives the convolution's output gradient, in channel blocks; with dx null the input gradient is left to
+  // ConvBnBackwardData (run only where it is used), which reads it there.
   void ConvBnBackward(const Shape &shape, float eps, bool x_blocked, bool y_blocked, bool relu,
-                      WeightGradient weight_gradient, void *dy, void *conv_out, void *mean, void *variance, void *gamma,
+                      WeightGradient weight_gradient, void *dy, void *conv_out, void *mean, void *variance,
+                      void *gamma,
                       void *x, void *weights, void *relu_mask, void *dx, void *dw, void *dgamma, void *dbeta,
                       void *d_conv_out_result) {
     auto lock = executor_.Begin();
@@ -2456,9 +2457,9 @@ class Runtime {
     Copy(plan.window.x_dense, columns, plan.window.x_view, dx);
   }
 
-  // dw (plain OIHW): the matrix's gradient spread back over the window of taps, zero elsewhere.
-  // dw, plain OIHW; or where `window` allows it and the window is not the whole kernel, only the window's taps,
-  // dense (O, I, rows, cols) at dw's start, as the returned layout says.
+  // dw, plain OIHW: the matrix's gradient spread back over the window of taps, zero elsewhere; or where `window`
+  // allows it and the window is not the whole kernel, only the window's taps, dense (O, I, rows, cols) at dw's
+  // start, as the returned layout says.
   GradientLayout GatherBackwardWeights(const GatherPlan &plan, const Shape &shape, void *dy, void *x, void *dw,
                                        bool window) {
     void *columns = GatherInput(plan, x, &buffers_[0]);
