@@ -235,6 +235,21 @@ struct GradientLayout {
   int64_t window_rows = 0, window_cols = 0, window_first = 0;
 };
 
+// Kernels [first, first + count) of a gradient left as `layout`'s window (dense (kernels, rows, cols) in `window`),
+// in plain order in `kernels`: the window's taps in place, zero elsewhere.
+void WindowToKernels(const GradientLayout &layout, const float *window, int64_t first, int64_t count, int64_t taps,
+                     int64_t kernel_width, float *kernels) {
+  const int64_t rows = layout.window_rows, cols = layout.window_cols;
+  std::memset(kernels, 0, static_cast<size_t>(count * taps) * sizeof(float));
+  for (int64_t k = 0; k < count; ++k) {
+    const float *from = window + (first + k) * rows * cols;
+    float *to = kernels + k * taps + layout.window_first;
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t c = 0; c < cols; ++c) to[r * kernel_width + c] = from[r * cols + c];
+    }
+  }
+}
+
 // Weight gradients that training convolutions left in a layout of their own, by the address of the weights
 // they are the gradient of (the parameter's, which the update receives too). An address, not a number per layer:
 // a network's repeated blocks may run as one shared graph (ResNet's lazy_inline), whose constants are the first
@@ -2483,17 +2498,11 @@ class Runtime {
   void SpreadWindow(const float *window, const Shape &shape, int64_t rows, int64_t cols, float *dw) {
     const int64_t kh = shape.weights[2], kw = shape.weights[3], pad = shape.padding[0];
     constexpr int64_t kKernelsInCache = 4096;  // zeroed, then the window written while they are in L2
+    const GradientLayout layout{0, rows, cols, pad * kw + pad};
     ForChunks(shape.weights[0] * shape.weights[1], [&](int64_t begin, int64_t end) {
       for (int64_t first = begin; first < end; first += kKernelsInCache) {
-        const int64_t last = std::min(end, first + kKernelsInCache);
-        std::memset(dw + first * kh * kw, 0, static_cast<size_t>((last - first) * kh * kw) * sizeof(float));
-        for (int64_t k = first; k < last; ++k) {
-          const float *taps = window + k * rows * cols;
-          float *kernel = dw + k * kh * kw + pad * kw + pad;
-          for (int64_t r = 0; r < rows; ++r) {
-            for (int64_t c = 0; c < cols; ++c) kernel[r * kw + c] = taps[r * cols + c];
-          }
-        }
+        const int64_t count = std::min(end, first + kKernelsInCache) - first;
+        WindowToKernels(layout, window, first, count, kh * kw, kw, dw + first * kh * kw);
       }
     });
   }
@@ -3847,21 +3856,6 @@ __attribute__((target("avx512f"), optimize("O3"))) void BlockToRows16Avx512(BLOC
 __attribute__((optimize("O3"))) void BlockToRows16Baseline(BLOCK_TO_ROWS_ARGS) { BLOCK_TO_ROWS_LOOP(16) }
 __attribute__((target("avx2"), optimize("O3"))) void BlockToRows8Avx2(BLOCK_TO_ROWS_ARGS) { BLOCK_TO_ROWS_LOOP(8) }
 __attribute__((optimize("O3"))) void BlockToRows8Baseline(BLOCK_TO_ROWS_ARGS) { BLOCK_TO_ROWS_LOOP(8) }
-
-// Kernels [first, first + count) of a gradient left as `layout`'s window (dense (kernels, rows, cols) in `window`),
-// in plain order in `kernels`: the window's taps in place, zero elsewhere.
-void WindowToKernels(const GradientLayout &layout, const float *window, int64_t first, int64_t count, int64_t taps,
-                     int64_t kernel_width, float *kernels) {
-  const int64_t rows = layout.window_rows, cols = layout.window_cols;
-  std::memset(kernels, 0, static_cast<size_t>(count * taps) * sizeof(float));
-  for (int64_t k = 0; k < count; ++k) {
-    const float *from = window + (first + k) * rows * cols;
-    float *to = kernels + k * taps + layout.window_first;
-    for (int64_t r = 0; r < rows; ++r) {
-      for (int64_t c = 0; c < cols; ++c) to[r * kernel_width + c] = from[r * cols + c];
-    }
-  }
-}
 
 void BlockToRows(int block, const float *src, float *dst, int64_t in_channels, int64_t taps) {
   static const auto rows16 = StepVectorBits() == 512 ? BlockToRows16Avx512 : BlockToRows16Baseline;
