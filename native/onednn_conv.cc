@@ -2070,7 +2070,7 @@ class Runtime {
       }
       return;
     }
-    const bool strided = StridedTransposedDataGradient(shape) && x_blocked;
+    const bool strided = StridedTransposedDataGradient(shape);
     if (TransposedDataGradient(shape) || strided) {
       // The forward convolution of d_conv_out with the (in, out) kernels: OIHW weights read transposed. At stride
       // 2 it gives the input gradient at the even pixels, at d_conv_out's size; the others are zeros.
@@ -2085,11 +2085,17 @@ class Runtime {
       Execute(forward, ToLayout(d_conv_out, forward.first_desc, &buffers_[0]),
               ToLayout(memory(turned, engine_, weights), forward.second_desc, &buffers_[1]),
               strided ? even_desc : x_desc, strided ? even_pixels_.Get(even_desc.get_size()) : dx);
-      if (strided) {
+      if (strided) {  // spread on channel blocks, then reordered where x is plain (the same numbers either way)
         stream_.wait();
+        const memory::desc blocks(shape.src, memory::data_type::f32, BlockedTag());
+        void *spread = x_blocked ? dx : buffers_[2].Get(blocks.get_size());
         SpreadToEvenPixels(executor_.pool, even, shape.src[2], shape.src[3],
                            static_cast<const float *>(even_pixels_.Get(even_desc.get_size())),
-                           static_cast<float *>(dx));
+                           static_cast<float *>(spread));
+        if (!x_blocked) {
+          memory from(blocks, engine_, spread), to(x_desc, engine_, dx);
+          dnnl::reorder(from, to).execute(stream_, from, to);
+        }
       }
       return;
     }
@@ -2108,8 +2114,8 @@ class Runtime {
   }
 
   // Whether a training layer's input gradient runs as TransposedDataGradient's forward convolution, then spread to
-  // the even pixels of x's channel blocks: 1x1 stride-2 layers on AVX2's 8-channel blocks with at least 128 input
-  // channels. oneDNN's AVX2 input-gradient kernel took 1.06-1.61x the time of the two on ResNet-50's three (a
+  // the even pixels (of channel blocks, reordered where x is plain): 1x1 stride-2 layers on AVX2's 8-channel blocks
+  // with at least 128 input channels. oneDNN's AVX2 input-gradient kernel took 1.06-1.61x the time of the two on ResNet-50's three (a
   // standalone timing at 224x224, batch 32, two threads, Zen 4); on AVX-512's 16-channel blocks, 0.93-0.98x.
   static bool StridedTransposedDataGradient(const Shape &shape) {
     const memory::dims &w = shape.weights;
