@@ -2115,8 +2115,9 @@ class Runtime {
 
   // Whether a training layer's input gradient runs as TransposedDataGradient's forward convolution, then spread to
   // the even pixels (of channel blocks, reordered where x is plain): 1x1 stride-2 layers on AVX2's 8-channel blocks
-  // with at least 128 input channels. oneDNN's AVX2 input-gradient kernel took 1.06-1.61x the time of the two on ResNet-50's three (a
-  // standalone timing at 224x224, batch 32, two threads, Zen 4); on AVX-512's 16-channel blocks, 0.93-0.98x.
+  // with at least 128 input channels. On ResNet-50's three, the two ran 1.06-1.61x as fast as oneDNN's AVX2
+  // input-gradient kernel (a standalone timing at 224x224, batch 32, two threads, Zen 4); on AVX-512's 16-channel
+  // blocks, 0.93-0.98x.
   static bool StridedTransposedDataGradient(const Shape &shape) {
     const memory::dims &w = shape.weights;
     return ChannelBlock() == 8 && w[2] == 1 && w[3] == 1 && shape.strides == memory::dims{2, 2} &&

@@ -130,8 +130,8 @@ print(step(ms.Tensor(np.ones((2, 3, 32, 32), np.float32)), ms.Tensor(np.array([1
 WINOGRAD_TRAINING_LAYERS = 3
 PIXEL_ROWS_WEIGHT_GRADIENTS = 12
 TRANSPOSED_INPUT_GRADIENT_LAYERS = 23
-# On AVX2 so do the 1x1 stride-2 layers' with at least 128 input channels, then spread to the even pixels: at 32x32
-# layer2's and layer3's shortcut convolutions (layer4's is a matrix product of the gathered pixels).
+# On AVX2 the 1x1 stride-2 layers with at least 128 input channels run their input gradient so too, then spread to
+# the even pixels: at 32x32 layer2's and layer3's shortcuts (layer4's is a matrix product of the gathered pixels).
 STRIDED_TRANSPOSED_INPUT_GRADIENT_LAYERS = 2
 
 
