@@ -1008,7 +1008,7 @@ void SmallMatmul(dnnl::threadpool_interop::threadpool_iface &pool, SmallProduct 
 }
 
 // A 1x1 stride-2 layer's input gradient in channel blocks, (N, C, height, width), from its values at the even pixels
-// (StridedTransposedDataGradient): `even` (N, C, h, w) in channel blocks, pixel (i, j) going to (2i, 2j); zeros
+// (TransposedDataGradient): `even` (N, C, h, w) in channel blocks, pixel (i, j) going to (2i, 2j); zeros
 // everywhere else.
 void SpreadToEvenPixels(dnnl::threadpool_interop::threadpool_iface &pool, const memory::dims &even, int64_t height,
                         int64_t width, const float *from, float *to) {
@@ -1018,10 +1018,14 @@ void SpreadToEvenPixels(dnnl::threadpool_interop::threadpool_iface &pool, const 
     for (int64_t plane = planes * thread / threads; plane < planes * (thread + 1) / threads; ++plane) {
       const float *in = from + plane * h * w * block;
       float *out = to + plane * height * width * block;
-      for (int64_t r = 0; r < height; ++r) {
+      for (int64_t r = 0; r < height; ++r) {  // h and w are height and width halved, rounded up
         float *row = out + r * width * block;
+        if (r % 2 != 0) {
+          std::fill_n(row, width * block, 0.0f);
+          continue;
+        }
         for (int64_t c = 0; c < width; ++c) {
-          if (r % 2 == 0 && c % 2 == 0 && r / 2 < h && c / 2 < w) {
+          if (c % 2 == 0) {
             std::copy_n(in + ((r / 2) * w + c / 2) * block, block, row + c * block);
           } else {
             std::fill_n(row + c * block, block, 0.0f);
@@ -2070,8 +2074,8 @@ class Runtime {
       }
       return;
     }
-    const bool strided = StridedTransposedDataGradient(shape);
-    if (TransposedDataGradient(shape) || strided) {
+    if (TransposedDataGradient(shape)) {
+      const bool strided = shape.strides[0] == 2;
       // The forward convolution of d_conv_out with the (in, out) kernels: OIHW weights read transposed. At stride
       // 2 it gives the input gradient at the even pixels, at d_conv_out's size; the others are zeros.
       const memory::dims &y = shape.dst;
@@ -2081,16 +2085,16 @@ class Runtime {
       const memory::desc turned(transposed.weights, memory::data_type::f32,
                                 memory::dims{1, shape.weights[1], 1, 1});
       const memory::desc even_desc(even, memory::data_type::f32, BlockedTag());
+      void *even_values = strided ? even_pixels_.Get(even_desc.get_size()) : nullptr;
       const Plan &forward = GetPlan(Direction::kForward, transposed);
       Execute(forward, ToLayout(d_conv_out, forward.first_desc, &buffers_[0]),
               ToLayout(memory(turned, engine_, weights), forward.second_desc, &buffers_[1]),
-              strided ? even_desc : x_desc, strided ? even_pixels_.Get(even_desc.get_size()) : dx);
+              strided ? even_desc : x_desc, strided ? even_values : dx);
       if (strided) {  // spread on channel blocks, then reordered where x is plain (the same numbers either way)
         stream_.wait();
         const memory::desc blocks(shape.src, memory::data_type::f32, BlockedTag());
         void *spread = x_blocked ? dx : buffers_[2].Get(blocks.get_size());
-        SpreadToEvenPixels(executor_.pool, even, shape.src[2], shape.src[3],
-                           static_cast<const float *>(even_pixels_.Get(even_desc.get_size())),
+        SpreadToEvenPixels(executor_.pool, even, shape.src[2], shape.src[3], static_cast<const float *>(even_values),
                            static_cast<float *>(spread));
         if (!x_blocked) {
           memory from(blocks, engine_, spread), to(x_desc, engine_, dx);
@@ -2105,23 +2109,17 @@ class Runtime {
   }
 
   // Whether a training layer's input gradient runs as the forward convolution of its output gradient with the
-  // kernels transposed (in, out): 1x1 stride-1 layers on AVX2's 8-channel blocks with at least 128 input
-  // channels. oneDNN's AVX2 input-gradient kernel for them ran 0.97-1.57x slower than its forward kernel on the
-  // transposed problem (ResNet-50's shapes, one thread); on AVX-512's 16-channel blocks the two are one kernel.
+  // kernels transposed (in, out): 1x1 layers with stride 1 or 2 (no padding) on AVX2's 8-channel blocks with at least
+  // 128 input channels; at stride 2 the result is the input gradient at the even pixels, spread to them after
+  // (SpreadToEvenPixels). Stride 1: oneDNN's AVX2 input-gradient kernel ran 0.97-1.57x slower than its forward
+  // kernel on the transposed problem (ResNet-50's shapes, one thread). Stride 2: the forward and the spread ran
+  // 1.06-1.61x as fast as that kernel on ResNet-50's three (224x224, batch 32, two threads, Zen 4). On AVX-512's
+  // 16-channel blocks the two kernels are one (stride 1), and the detour ran 0.93-0.98x as fast (stride 2).
   static bool TransposedDataGradient(const Shape &shape) {
     const memory::dims &w = shape.weights;
-    return ChannelBlock() == 8 && OneByOneStrideOne(shape) && w[1] >= 128 && w[0] % 8 == 0 && w[1] % 8 == 0;
-  }
-
-  // Whether a training layer's input gradient runs as TransposedDataGradient's forward convolution, then spread to
-  // the even pixels (of channel blocks, reordered where x is plain): 1x1 stride-2 layers on AVX2's 8-channel blocks
-  // with at least 128 input channels. On ResNet-50's three, the two ran 1.06-1.61x as fast as oneDNN's AVX2
-  // input-gradient kernel (a standalone timing at 224x224, batch 32, two threads, Zen 4); on AVX-512's 16-channel
-  // blocks, 0.93-0.98x.
-  static bool StridedTransposedDataGradient(const Shape &shape) {
-    const memory::dims &w = shape.weights;
-    return ChannelBlock() == 8 && w[2] == 1 && w[3] == 1 && shape.strides == memory::dims{2, 2} &&
-           shape.padding == memory::dims{0, 0} && w[1] >= 128 && w[0] % 8 == 0 && w[1] % 8 == 0;
+    const bool one_by_one = w[2] == 1 && w[3] == 1 && shape.padding == memory::dims{0, 0} &&
+                            (shape.strides == memory::dims{1, 1} || shape.strides == memory::dims{2, 2});
+    return ChannelBlock() == 8 && one_by_one && w[1] >= 128 && w[0] % 8 == 0 && w[1] % 8 == 0;
   }
 
   // Whether shape is a 1x1 convolution with stride 1 and no padding.
@@ -2748,7 +2746,7 @@ class Runtime {
   Buffer buffers_[5];  // first input, second input, result, scratchpad; ConvBn's blocked y or dy
   Buffer winograd_weights_;  // a layer's weights transformed for WinogradConvolution
   Buffer matmul_buffers_[2];  // SmallMatmul's panels and transposed product
-  Buffer even_pixels_;  // a stride-2 1x1 layer's input gradient at the even pixels (StridedTransposedDataGradient)
+  Buffer even_pixels_;  // a stride-2 1x1 layer's input gradient at the even pixels (TransposedDataGradient)
   std::unique_ptr<Buffer[]> winograd_buffers_{new Buffer[2 * static_cast<size_t>(executor_.pool.get_num_threads())]};
   std::unique_ptr<Buffer[]> winograd_gradient_buffers_{
       new Buffer[3 * static_cast<size_t>(executor_.pool.get_num_threads())]};
