@@ -74,6 +74,13 @@ tag BlockedTag() { return ChannelBlock() == 16 ? tag::aBcd16b : tag::aBcd8b; }
 // a step), and waking a sleeping worker costs more than spinning through that.
 constexpr auto kWorkerSpin = std::chrono::microseconds(200);
 
+// oneDNN splits a primitive's work into as many parts as its concurrency, one part per thread by default, so a
+// call ends with the slower thread: on a busy or shared machine one core can run a fifth slower for seconds, and
+// the caller then waits in its yield loop. With four parts a thread, handed out as threads come free, the faster
+// thread takes the slower one's share (docs/performance.md: 1.37x inference at 224x224 with another process busy
+// on one core, level without it).
+constexpr int kPartsPerThread = 4;
+
 class ThreadPool : public dnnl::threadpool_interop::threadpool_iface {
  public:
   explicit ThreadPool(int threads) : threads_(std::max(1, threads)) {
@@ -176,7 +183,8 @@ struct Executor {
   // thread-local and sizes each primitive's work split (MindSpore's threads may have it at 1).
   std::unique_lock<std::mutex> Begin() {
     std::unique_lock<std::mutex> lock(mutex);
-    dnnl_threadpool_interop_set_max_concurrency(pool.get_num_threads());
+    const int threads = pool.get_num_threads();
+    dnnl_threadpool_interop_set_max_concurrency(threads > 1 ? threads * kPartsPerThread : 1);
     return lock;
   }
 
@@ -1524,14 +1532,17 @@ void WinogradConvolution(dnnl::threadpool_interop::threadpool_iface &pool, const
   int64_t fitting = kWinogradChunkBytes / tile_bytes;
   if (weight_bytes > kWinogradStreamedWeights) fitting = std::max(fitting, weight_bytes / (2 * tile_bytes));
   const int64_t most = std::max<int64_t>(rows, fitting / rows * rows);
-  // As many chunks as that size needs, rounded up to a multiple of the threads so that they end together.
+  // As many chunks as that size needs, rounded up to a multiple of the threads; each thread takes the next chunk
+  // when it is done with one, so that a slower core takes fewer (as kPartsPerThread). A tile's result is the same
+  // whichever thread computes it.
   const int64_t chunks = ((tiles + most - 1) / most + threads - 1) / threads * threads;
   const int64_t chunk = (tiles + chunks - 1) / chunks;
   const int used = static_cast<int>(std::min(threads, (tiles + chunk - 1) / chunk));
+  std::atomic<int64_t> next_first{0};
   pool.parallel_for(used, [&](int thread, int) {
     float *v = static_cast<float *>(buffers[2 * thread].Get(positions * chunk * s.in * sizeof(float)));
     float *m = static_cast<float *>(buffers[2 * thread + 1].Get(positions * chunk * s.out * sizeof(float)));
-    for (int64_t first = thread * chunk; first < tiles; first += used * chunk) {
+    for (int64_t first = next_first.fetch_add(chunk); first < tiles; first = next_first.fetch_add(chunk)) {
       const int64_t count = std::min(chunk, tiles - first);
       if (s.tile == 4 && wide) {
         WinogradInput4x4Avx512(s, x, first, count, false, v);
