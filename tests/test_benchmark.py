@@ -380,11 +380,15 @@ def test_the_next_turn_waits_until_the_last_workers_threads_go_quiet():
     for that. A process spinning for 0.5 s holds the next turn back about as long; a sleeping one does not."""
     from src.benchmark import _settle
     spinning = subprocess.Popen([sys.executable, "-c", "import time, sys\nsys.stdin.readline()\n"
-                                 "end = time.perf_counter() + 0.5\nwhile time.perf_counter() < end: pass\n"
-                                 "time.sleep(30)"], stdin=subprocess.PIPE, text=True)
+                                 "end = time.perf_counter() + 0.5\nprint('spinning', flush=True)\n"
+                                 "while time.perf_counter() < end: pass\ntime.sleep(30)"],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         spinning.stdin.write("go\n")
         spinning.stdin.flush()
+        # Timed from the child's word that it spins: on a busy machine it may not run for a while after "go", and
+        # a process that has not started yet is quiet.
+        assert spinning.stdout.readline() == "spinning\n"
         started = time.perf_counter()
         _settle(spinning.pid)
         assert 0.35 < time.perf_counter() - started < 1.5
