@@ -132,7 +132,7 @@ def pytest_xdist_make_scheduler(config, log):
     reordered by test count; any other --dist as pytest-xdist makes it."""
     if config.getvalue("dist") != "loadfile":
         return None
-    config.option.loadscopereorder = False  # pytest-xdist 3.6 and later sort units by test count unless told
+    config.option.loadscopereorder = False  # pytest-xdist (3.8 here) sorts units by test count unless told
     from xdist.scheduler import LoadFileScheduling
 
     class MemoryHeavyFilesTogether(LoadFileScheduling):
