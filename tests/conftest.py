@@ -222,12 +222,16 @@ def run_with_onednn_log(args: List[str], isa: Optional[str] = None) -> str:
     return process.stdout
 
 
+def onednn_exec_fields(output: str) -> List[List[str]]:
+    """oneDNN's exec lines in output (from run_with_onednn_log), split into fields."""
+    return [line.split(",") for line in output.splitlines() if line.startswith("onednn_verbose") and ",exec," in line]
+
+
 def onednn_exec_log(args: List[str], isa: Optional[str] = None, marker: str = "") -> List[List[str]]:
     """oneDNN's exec lines, split into fields, from run_with_onednn_log(args, isa); with a marker, only the lines
     printed after it."""
     output = run_with_onednn_log(args, isa)
-    output = output.split(marker, 1)[1] if marker else output
-    return [line.split(",") for line in output.splitlines() if line.startswith("onednn_verbose") and ",exec," in line]
+    return onednn_exec_fields(output.split(marker, 1)[1] if marker else output)
 
 
 def run_script(script: str, args: List[str], cwd: Optional[Path] = None, timeout: float = 600,

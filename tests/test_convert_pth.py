@@ -82,13 +82,20 @@ def refuse(args: List[str], out: Path, *fragments: str, env=None) -> str:
 
 # ----------------------------------------------------------------------------------------- conversions
 
-@pytest.mark.slow
-def test_cli_converts_and_verifies(pth, state, tmp_path):
-    """A bare state_dict converts; --verify compares logits with torchvision and passes; the .ckpt holds every
-    weight bit for bit, torch's num_batches_tracked in a side entry, and nothing else is left in the folder."""
-    out = tmp_path / "out" / "resnet18.ckpt"
+@pytest.fixture(scope="module")
+def converted(pth, tmp_path_factory):
+    """(.ckpt path, finished process) of the command-line conversion of pth, verified (--verify writes nothing)."""
+    out = tmp_path_factory.mktemp("converted") / "out" / "resnet18.ckpt"
     process = run_script(SCRIPT, ["--pth_path", str(pth), "--ckpt_path", str(out), "--verify", "--image_size", "32"])
     assert process.returncode == 0, process.stderr[-3000:]
+    return out, process
+
+
+@pytest.mark.slow
+def test_cli_converts_and_verifies(converted, state):
+    """A bare state_dict converts; --verify compares logits with torchvision and passes; the .ckpt holds every
+    weight bit for bit, torch's num_batches_tracked in a side entry, and nothing else is left in the folder."""
+    out, process = converted
     assert "converted" in process.stdout and "resnet18, 10 classes" in process.stdout
     assert "verify passed: max abs logit difference" in process.stdout
     assert_ckpt_holds(out, state)
@@ -98,12 +105,10 @@ def test_cli_converts_and_verifies(pth, state, tmp_path):
 
 
 @pytest.mark.slow
-def test_round_trip_pth_ckpt_pth_is_bit_identical(pth, state, tmp_path):
+def test_round_trip_pth_ckpt_pth_is_bit_identical(converted, state, tmp_path):
     """.pth -> .ckpt -> .pth (--reverse, verified) gives the same keys in the same order, dtypes and bytes,
     num_batches_tracked included, and torchvision's load_state_dict(strict=True) accepts it."""
-    ckpt, back = tmp_path / "r18.ckpt", tmp_path / "back" / "r18.pth"
-    forward = run_script(SCRIPT, ["--pth_path", str(pth), "--ckpt_path", str(ckpt)])
-    assert forward.returncode == 0, forward.stderr[-3000:]
+    ckpt, back = converted[0], tmp_path / "back" / "r18.pth"
     reverse = run_script(SCRIPT, ["--reverse", "--ckpt_path", str(ckpt), "--pth_path", str(back), "--verify",
                                   "--image_size", "32"])
     assert reverse.returncode == 0, reverse.stderr[-3000:]
@@ -115,6 +120,7 @@ def test_round_trip_pth_ckpt_pth_is_bit_identical(pth, state, tmp_path):
         assert again[key].numpy().tobytes() == tensor.numpy().tobytes(), key
     torchvision.models.resnet18(num_classes=NUM_CLASSES).load_state_dict(again, strict=True)
     assert files_under(back.parent) == [back]
+    assert files_under(ckpt.parent) == [ckpt]  # --reverse only read the .ckpt
 
 
 @pytest.mark.parametrize("form", ["state_dict", "model", "dataparallel", "nested_with_optimizer"])

@@ -5,7 +5,7 @@ import re
 import shutil
 import subprocess
 import sys
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import numpy as np
 import pytest
@@ -14,7 +14,7 @@ import mindspore as ms
 from mindspore import nn
 
 from conftest import (REPO, assert_one_line_error, avx2_capped_case, cpu_has_avx512, native_channel_block,
-                      onednn_exec_log, rel_diff, script_env)
+                      onednn_exec_fields, onednn_exec_log, rel_diff, run_with_onednn_log, script_env)
 from src.errors import UserError
 from src.onednn_conv import BlockedConv2d, channel_block, resolve_conv_implementation
 from src.resnet import conv_bn, conv_bn_add_relu, conv_bn_relu
@@ -114,19 +114,6 @@ print(json.dumps(float(np.abs(net(ms.Tensor(np.ones((2, 3, 32, 32), np.float32))
 """
 
 
-TRAIN_VERBOSE_SCRIPT = """
-import numpy as np, mindspore as ms
-from mindspore import nn
-from src.resnet import build_resnet
-ms.set_context(mode=ms.GRAPH_MODE)
-net = build_resnet("resnet50", 10, conv_implementation="onednn_blocked")
-loss = nn.WithLossCell(net, nn.SoftmaxCrossEntropyWithLogits(sparse=True, reduction="mean"))
-step = nn.TrainOneStepCell(loss, nn.SGD(net.trainable_params(), 0.01))
-step.set_train(True)
-print(step(ms.Tensor(np.ones((2, 3, 32, 32), np.float32)), ms.Tensor(np.array([1, 2], np.int32))))
-"""
-
-
 WINOGRAD_TRAINING_LAYERS = 3
 PIXEL_ROWS_WEIGHT_GRADIENTS = 12
 TRANSPOSED_INPUT_GRADIENT_LAYERS = 23
@@ -137,7 +124,7 @@ STRIDED_TRANSPOSED_INPUT_GRADIENT_LAYERS = 2
 
 @pytest.mark.parametrize("isa", [pytest.param(None, id="uncapped"), avx2_capped_case("AVX2", id="AVX2")])
 @pytest.mark.slow
-def test_oneDNN_runs_training_batchnorm_on_the_convolutions_blocked_output(isa):
+def test_oneDNN_runs_training_batchnorm_on_the_convolutions_blocked_output(isa, default_training_log):
     """A training step: every BatchNorm runs in oneDNN's jit code on channel blocks (16 with AVX-512, else 8),
     forward on batch statistics and backward, and no convolution pass runs a reference kernel (with AVX-512, none
     runs GEMM either). At 32x32 layer4's seven one-pixel convolutions (1x1 input and output) run as three matrix
@@ -148,7 +135,7 @@ def test_oneDNN_runs_training_batchnorm_on_the_convolutions_blocked_output(isa):
     AVX2 their weight gradients too, and so do those products' forward and input gradient. The images' gradient is
     not computed."""
     block = native_channel_block(isa)
-    log = onednn_exec_log(["-c", TRAIN_VERBOSE_SCRIPT], isa)
+    log = (default_training_log if isa is None else training_steps_log(isa))[0]  # the first step's
     norms = [fields for fields in log if fields[5] == "batch_normalization"]
     assert sorted(fields[7] for fields in norms) == ["backward"] * 53 + ["forward_training"] * 53
     for fields in norms:
@@ -559,13 +546,25 @@ step(images, labels)
 """
 
 
+def training_steps_log(isa: Optional[str] = None, blocked: str = "1") -> Tuple[List[List[str]], List[List[str]]]:
+    """oneDNN's exec lines of BLOCKED_ACTIVATIONS_SCRIPT's two steps, split at its marker: (the first step's, which
+    compiles, the measured step's)."""
+    first, measured = run_with_onednn_log(["-c", BLOCKED_ACTIVATIONS_SCRIPT, blocked], isa).split("MEASURED-STEP", 1)
+    return onednn_exec_fields(first), onednn_exec_fields(measured)
+
+
+@pytest.fixture(scope="module")
+def default_training_log() -> Tuple[List[List[str]], List[List[str]]]:
+    """training_steps_log() uncapped, with blocked activations (the default): one run read by two tests."""
+    return training_steps_log()
+
+
 @pytest.mark.slow
-def test_training_keeps_activations_in_channel_blocks():
+def test_training_keeps_activations_in_channel_blocks(default_training_log):
     """A training step of a network whose convolutions all run their BatchNorm natively reorders activations only
     into and out of layer1..layer4 (and around the stem), not around every convolution; weights are still
     reordered for each call."""
-    def activation_reorders(blocked: str) -> List[str]:
-        log = onednn_exec_log(["-c", BLOCKED_ACTIVATIONS_SCRIPT, blocked], marker="MEASURED-STEP")
+    def activation_reorders(log: List[List[str]]) -> List[str]:
         reorders = [fields for fields in log if fields[5] == "reorder"]
         assert reorders  # the weights still are
         # Batch 2: activations. Not the NHWC copies of x and dy that with AVX-512 the 1x1 layers' weight gradients on
@@ -573,7 +572,8 @@ def test_training_keeps_activations_in_channel_blocks():
         return [fields[-2] for fields in reorders
                 if fields[-2].startswith("2x") and "dst:f32::blocked:acdb:" not in fields[8]]
 
-    kept, around_every_convolution = activation_reorders("1"), activation_reorders("0")
+    kept = activation_reorders(default_training_log[1])
+    around_every_convolution = activation_reorders(training_steps_log(blocked="0")[1])
     # The stem writes channel blocks and pools them: none of its 64-channel activations is reordered.
     assert not any(problem.startswith("2x64x") for problem in kept), kept
     # With 16-channel blocks: 19 measured before the stem wrote channel blocks, 4 of them the stem's. With 8: 8

@@ -109,10 +109,10 @@ def test_proxy_ema_keeps_the_recipes_share_of_the_run():
 @pytest.mark.parametrize("name", ["cifar10_resnet50_cifar_stem.yaml", "cifar10_resnet18_cpu_fast.yaml"])
 def test_recipe_config_trains(name, digits_dir, tmp_path):
     """Each recipe's whole set of options (SGD Nesterov, schedules, AutoAugment, erasing, EMA) trains as written,
-    on a few batches of the proxy."""
+    on two batches of the proxy."""
     process = run_script("train.py", ["--config_path", f"configs/{name}", "--data_path", str(digits_dir),
-                                      "--download", "false", "--train_num_samples", "128", "--batch_size", "32",
-                                      "--eval_num_samples", "64", "--epoch_size", "1", "--eval_interval", "1",
+                                      "--download", "false", "--train_num_samples", "64", "--batch_size", "32",
+                                      "--eval_num_samples", "32", "--epoch_size", "1", "--eval_interval", "1",
                                       "--output_path", str(tmp_path), "--num_parallel_workers", "2"])
     assert process.returncode == 0, process.stdout[-2000:] + process.stderr[-2000:]
     _, (row,) = read_metrics(tmp_path)
