@@ -3720,8 +3720,24 @@ Step ChooseStep(Step avx512, Step avx2, Step baseline) {
   const float *__restrict dy, const float *__restrict y, float *__restrict dx, int64_t count
 #define RELU_GRADIENT_LOOP \
   for (int64_t i = 0; i < count; ++i) dx[i] = y[i] <= 0.0f ? 0.0f : dy[i];
+// The gradient of a ReLU's output that has two users (a residual block's input, which its first convolution and its
+// identity read), from theirs: 0 where y <= 0, else da + db. One pass where the sum alone had been one. The sum's bits
+// are masked, not chosen by a condition: written as y <= 0 ? 0 : da + db, the compiler moved the addition under the
+// condition (an addition may trap, so it is not done where it is not asked for) and the loop ran one number at a time.
+#define RELU_GRADIENT_OF_SUM_ARGS                                                                          \
+  const float *__restrict da, const float *__restrict db, const float *__restrict y, float *__restrict dx, \
+      int64_t count
+#define RELU_GRADIENT_OF_SUM_LOOP                                                   \
+  for (int64_t i = 0; i < count; ++i) {                                             \
+    const float sum = da[i] + db[i];                                                \
+    uint32_t bits;                                                                  \
+    std::memcpy(&bits, &sum, sizeof bits);                                          \
+    bits &= y[i] <= 0.0f ? 0u : ~0u;                                                \
+    std::memcpy(dx + i, &bits, sizeof bits);                                        \
+  }
 DEFINE_STEP_VARIANTS(AddReluPass, ADD_RELU_ARGS, ADD_RELU_LOOP)
 DEFINE_STEP_VARIANTS(ReluGradientPass, RELU_GRADIENT_ARGS, RELU_GRADIENT_LOOP)
+DEFINE_STEP_VARIANTS(ReluGradientOfSumPass, RELU_GRADIENT_OF_SUM_ARGS, RELU_GRADIENT_OF_SUM_LOOP)
 
 // A residual block's last BatchNorm with its addition and ReLU (ConvBnForward with a residual), on one plane of a
 // channel block (one image's pixels, B channels a pixel): ChannelSums adds the sums of each value less its channel's
@@ -4084,26 +4100,36 @@ int LaunchAdamUpdate(int nparam, void **params, int *ndims, int64_t **shapes, co
   });
 }
 
-// params: two float32 (N, C, H, W) tensors of one shape, then the output of that shape: out = pass(first,
-// second), element-wise on the pool's threads (AddRelu: a, b -> y; ReluGradient: dy, y -> dx).
-template <class Pass>
+// params: kInputs float32 (N, C, H, W) tensors of one shape, then the output of that shape: out = pass(inputs...),
+// element-wise on the pool's threads (AddRelu: a, b -> y; ReluGradient: dy, y -> dx; ReluGradientOfSum: da, db, y ->
+// dx).
+template <int kInputs, class Pass>
 int LaunchElementwise(const char *what, Pass pass, int nparam, void **params, int *ndims, int64_t **shapes,
                       const char **dtypes) {
-  const int wanted_ndims[] = {4, 4, 4};
-  const char *const wanted_dtypes[] = {"float32", "float32", "float32"};
-  if (!CheckTensors(what, nparam, 3, ndims, dtypes, wanted_ndims, wanted_dtypes)) return 1;
-  if (Dims(shapes[0]) != Dims(shapes[1]) || Dims(shapes[0]) != Dims(shapes[2])) {
-    std::fprintf(stderr, "%s: the inputs and the output must have one shape\n", what);
-    return 1;
+  static_assert(kInputs == 2 || kInputs == 3, "two or three inputs");
+  int wanted_ndims[kInputs + 1];
+  const char *wanted_dtypes[kInputs + 1];
+  for (int i = 0; i <= kInputs; ++i) wanted_ndims[i] = 4, wanted_dtypes[i] = "float32";
+  if (!CheckTensors(what, nparam, kInputs + 1, ndims, dtypes, wanted_ndims, wanted_dtypes)) return 1;
+  for (int i = 1; i <= kInputs; ++i) {
+    if (Dims(shapes[i]) != Dims(shapes[0])) {
+      std::fprintf(stderr, "%s: the inputs and the output must have one shape\n", what);
+      return 1;
+    }
   }
   const memory::dims dims = Dims(shapes[0]);
   const int64_t count = dims[0] * dims[1] * dims[2] * dims[3];
-  const float *first = static_cast<const float *>(params[0]), *second = static_cast<const float *>(params[1]);
-  float *out = static_cast<float *>(params[2]);
+  const float *in[kInputs];
+  for (int i = 0; i < kInputs; ++i) in[i] = static_cast<const float *>(params[i]);
+  float *out = static_cast<float *>(params[kInputs]);
   return Guarded(what, [&] {
     auto lock = Executor::Get().Begin();
     Runtime::Get().ForChunks(count, [&](int64_t begin, int64_t end) {
-      pass(first + begin, second + begin, out + begin, end - begin);
+      if constexpr (kInputs == 2) {
+        pass(in[0] + begin, in[1] + begin, out + begin, end - begin);
+      } else {
+        pass(in[0] + begin, in[1] + begin, in[2] + begin, out + begin, end - begin);
+      }
     });
   });
 }
@@ -4239,12 +4265,18 @@ extern "C" int NesterovSgdUpdate(int nparam, void **params, int *ndims, int64_t 
 
 // Training: the residual addition and its ReLU, and their gradient (LaunchElementwise).
 extern "C" int AddRelu(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes, void *, void *) {
-  return LaunchElementwise("onednn_conv add and relu", AddReluPass(), nparam, params, ndims, shapes, dtypes);
+  return LaunchElementwise<2>("onednn_conv add and relu", AddReluPass(), nparam, params, ndims, shapes, dtypes);
 }
 extern "C" int ReluGradient(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes, void *,
                             void *) {
   static const auto pass = ChooseStep(ReluGradientPassAvx512, ReluGradientPassAvx2, ReluGradientPassBaseline);
-  return LaunchElementwise("onednn_conv relu gradient", pass, nparam, params, ndims, shapes, dtypes);
+  return LaunchElementwise<2>("onednn_conv relu gradient", pass, nparam, params, ndims, shapes, dtypes);
+}
+extern "C" int ReluGradientOfSum(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
+                                 void *, void *) {
+  static const auto pass =
+      ChooseStep(ReluGradientOfSumPassAvx512, ReluGradientOfSumPassAvx2, ReluGradientOfSumPassBaseline);
+  return LaunchElementwise<3>("onednn_conv relu gradient of a sum", pass, nparam, params, ndims, shapes, dtypes);
 }
 
 // Inference: a stage of residual blocks in one call (LaunchStageInference).

@@ -37,6 +37,11 @@ def _native_update(optimizer: nn.Optimizer, kernel: str) -> Tuple[ms.Tensor, ms.
     decays = optimizer.group_weight_decay if optimizer.is_group else [optimizer.weight_decay] * len(
         optimizer._parameters)
     update = ops.Custom(f"{usable_library()}:{kernel}", _update_shape, _update_dtype, func_type="aot")
+    # The update writes the weights and the optimizer's state where they lie. Marked as writing memory, so that
+    # MindSpore hands it the parameters themselves: without the mark, a graph whose gradients pass a cell with a bprop
+    # of its own (src/onednn_conv.py ReluOutputFanout) got a copy of each weight (TensorMove), and the update left
+    # the weights as they were.
+    update.add_prim_attr("side_effect_mem", True)
     layouts = ms.Tensor(np.zeros(len(decays), np.int64))
     return ms.Tensor(np.array(decays, np.float32)), layouts, update
 
@@ -82,9 +87,8 @@ class NativeAdam(nn.Adam):
         self.beta2_power = beta2_power
         done = self.update(lr, self.beta1, self.beta2, self.eps, beta1_power, beta2_power, self.decays,
                            self.gradient_layouts, *self._parameters, *self.moment1, *self.moment2, *gradients)
-        # The update writes the weights where they lie, which MindSpore's ordering of side effects does not see:
-        # the step counter's assignment waits for it, so whatever reads the weights after the optimizer (EMA,
-        # the next step) comes after the update.
+        # The update writes the weights where they lie (_native_update): the step counter's assignment waits for it
+        # too, so whatever reads the weights after the optimizer (EMA, the next step) comes after the update.
         self.assignadd(self.global_step, ops.depend(self.global_step_increase_tensor, done))
         return done
 

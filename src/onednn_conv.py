@@ -165,7 +165,7 @@ def relu_mask_bytes(y_shape: Tuple[int, int, int, int]) -> int:
 
 @functools.lru_cache(maxsize=None)
 def _conv_batchnorm_op(stride: int, padding: int, defer_input_gradient: bool = False,
-                       residual_add_relu: bool = False) -> ops.Custom:
+                       residual_add_relu: bool = False, relu_gradient_by_users: bool = False) -> ops.Custom:
     """Convolution then BatchNorm on the batch's statistics in one native call (training), and a ReLU where the
     layouts say so, with its gradient op as bprop: (x, weight, gamma, beta, moving mean, moving variance, (eps,
     momentum), layouts (x's, y's: PLAIN or BLOCKED; the weight gradient's, BlockedConv2d.weight_gradient_layout;
@@ -177,11 +177,13 @@ def _conv_batchnorm_op(stride: int, padding: int, defer_input_gradient: bool = F
     defer_input_gradient: the gradient of x is a native call of its own, so that the graph drops it where nothing
     uses it (a network's first convolution: training differentiates the weights, not the images).
     residual_add_relu: a residual block's end, y = relu(BatchNorm(conv(x)) + residual), with the residual (in
-    channel blocks, as y) an input after the layouts, which have no ReLU of the BatchNorm's own."""
+    channel blocks, as y) an input after the layouts, which have no ReLU of the BatchNorm's own.
+    relu_gradient_by_users: with residual_add_relu, y's users apply the ReLU's gradient (ReluOutputFanout,
+    ReluOutputGradient), so that the bprop starts from the sum's gradient."""
     library = usable_library()
     suffix = f"_s{stride}_p{padding}"
     if residual_add_relu:
-        make_bprop = _conv_batchnorm_add_relu_bprop
+        make_bprop = functools.partial(_conv_batchnorm_add_relu_bprop, relu_gradient=not relu_gradient_by_users)
     else:
         make_bprop = _conv_batchnorm_bprop_deferred if defer_input_gradient else _conv_batchnorm_bprop
 
@@ -231,13 +233,14 @@ def _conv_batchnorm_bprop(library: str, suffix: str) -> Callable:
     return bprop
 
 
-def _conv_batchnorm_add_relu_bprop(library: str, suffix: str) -> Callable:
-    """ConvBnAddReluForward's bprop: ReLU's gradient from y (the residual's gradient too), then ConvBnForward's."""
+def _conv_batchnorm_add_relu_bprop(library: str, suffix: str, relu_gradient: bool = True) -> Callable:
+    """ConvBnAddReluForward's bprop: ReLU's gradient from y (the residual's gradient too), then ConvBnForward's.
+    relu_gradient=False: y's users applied the ReLU's gradient already (see ReluOutputFanout)."""
     gradient = _relu_gradient_op(library)
     conv_batchnorm_bprop = _conv_batchnorm_bprop(library, suffix)
 
     def bprop(x, weight, gamma, beta, moving_mean, moving_variance, constants, layouts, residual, out, dout):
-        d_sum = gradient(dout[0], out[0])
+        d_sum = gradient(dout[0], out[0]) if relu_gradient else dout[0]
         return conv_batchnorm_bprop(x, weight, gamma, beta, moving_mean, moving_variance, constants, layouts, out,
                                     (d_sum,)) + (d_sum,)
 
@@ -350,6 +353,45 @@ def _relu_gradient_op(library: str) -> ops.Custom:
 
 
 @functools.lru_cache(maxsize=None)
+def _relu_gradient_of_sum_op(library: str) -> ops.Custom:
+    """(da, db, y) -> 0 where the ReLU's output y is <= 0 and da + db elsewhere, element-wise in one native pass."""
+    return ops.Custom(f"{library}:ReluGradientOfSum", lambda da, db, y: da, lambda da, db, y: da, func_type="aot")
+
+
+class ReluOutputFanout(nn.Cell):
+    """x -> (x, x) for the two users of a ReLU's output x (a residual block's input: its first convolution and its
+    identity) in a training step on channel blocks; the forward copies nothing. x's gradient is the ReLU's gradient of
+    the sum of theirs, in one native pass, where MindSpore's automatic differentiation would add them (AddN) and the
+    bprop of the op that made x would then apply the ReLU's gradient in a pass of its own. That op need not apply it
+    again (doing so changes no number, only costs a pass): a block's end built with relu_gradient_by_users skips it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gradient = _relu_gradient_of_sum_op(usable_library())
+
+    def construct(self, x):
+        return x, x
+
+    def bprop(self, x, out, dout):
+        return (self.gradient(dout[0], dout[1], x),)
+
+
+class ReluOutputGradient(nn.Cell):
+    """The identity on a ReLU's output x, whose bprop applies the ReLU's gradient: for the one user of a residual
+    block's output whose ReLU gradient the block leaves to its users (see ReluOutputFanout), the network's last."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gradient = _relu_gradient_op(usable_library())
+
+    def construct(self, x):
+        return x
+
+    def bprop(self, x, out, dout):
+        return (self.gradient(dout, x),)
+
+
+@functools.lru_cache(maxsize=None)
 def _add_relu_op() -> ops.Custom:
     """relu(a + b) element-wise in one native pass (the residual addition and its ReLU, in any layout), for training;
     the gradient of both inputs, ReLU's gradient, in one more, as bprop."""
@@ -402,6 +444,9 @@ class BlockedConv2d(nn.Conv2d):
         fusable = supported and not self.has_bias and self.out_channels % channel_block() == 0
         self.batchnorm_op = _conv_batchnorm_op(stride[0], padding) if fusable else None
         self.batchnorm_add_relu_op = _conv_batchnorm_op(stride[0], padding, residual_add_relu=True) if fusable else None
+        self.batchnorm_add_relu_op_for_relu_users = (  # its bprop leaves the ReLU's gradient to y's users
+            _conv_batchnorm_op(stride[0], padding, residual_add_relu=True, relu_gradient_by_users=True)
+            if fusable else None)
         self.blocked_stride, self.blocked_padding = stride[0], padding  # what the native ops are told
         # Where the weight gradient may come (see gradients_in_kernel_layout): GRADIENT_PLAIN, plain OIHW;
         # GRADIENT_BLOCKS, also the convolution kernel's own layout, for a native optimizer update that reads it
@@ -413,6 +458,13 @@ class BlockedConv2d(nn.Conv2d):
         """Cells that reorder activations into channel blocks and back, for a training step that keeps them there
         between with_batchnorm calls (ResNet)."""
         return ChannelBlocks(True), ChannelBlocks(False)
+
+    @staticmethod
+    def relu_output_cells() -> Tuple[ReluOutputFanout, ReluOutputGradient]:
+        """Cells for the users of a residual block's output, which apply its ReLU's gradient themselves in a
+        training step on channel blocks (with_batchnorm_add_relu's relu_gradient_by_users): a fanout for a block's
+        input, and the identity for the last block's output."""
+        return ReluOutputFanout(), ReluOutputGradient()
 
     @staticmethod
     def relu_max_pool_cell() -> ReluMaxPool:
@@ -451,19 +503,22 @@ class BlockedConv2d(nn.Conv2d):
         ops.assign(bn.moving_variance, outputs[5])
         return outputs[0]
 
-    def with_batchnorm_add_relu(self, x, bn: nn.BatchNorm2d, residual):
+    def with_batchnorm_add_relu(self, x, bn: nn.BatchNorm2d, residual, relu_gradient_by_users: bool = False):
         """relu(bn(self(x)) + residual) with x, the residual and the result in channel blocks: a residual block's end
         in a training step. On batch statistics in one native call, as with_batchnorm (the same moving statistics):
         the BatchNorm's statistics, then its normalization with the addition and ReLU, two passes over the
         convolution's output, where oneDNN's BatchNorm wrote its output and the addition read it back. Elsewhere
-        with_batchnorm, then relu(a + b) in one native pass."""
+        with_batchnorm, then relu(a + b) in one native pass.
+        relu_gradient_by_users: every user of the result applies the ReLU's gradient (relu_output_cells), so that
+        the native call's gradient does not apply it again (the fallback's does; it gives the same numbers)."""
         if (self.batchnorm_add_relu_op is None or x.dtype != ms.float32 or not bn.training
                 or bn.use_batch_statistics is False):
             return _add_relu_op()(self.with_batchnorm(x, bn, BLOCKED, BLOCKED), residual)
         constants, layouts = _batchnorm_call_arguments(bn.eps, bn.momentum, BLOCKED, BLOCKED,
                                                        self.weight_gradient_layout, False)
-        outputs = self.batchnorm_add_relu_op(x, self.weight, bn.gamma, bn.beta, bn.moving_mean,
-                                             bn.moving_variance, constants, layouts, residual)
+        op = self.batchnorm_add_relu_op_for_relu_users if relu_gradient_by_users else self.batchnorm_add_relu_op
+        outputs = op(x, self.weight, bn.gamma, bn.beta, bn.moving_mean, bn.moving_variance, constants, layouts,
+                     residual)
         ops.assign(bn.moving_mean, outputs[4])
         ops.assign(bn.moving_variance, outputs[5])
         return outputs[0]

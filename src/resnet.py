@@ -99,12 +99,21 @@ def shortcut(downsample: nn.SequentialCell, x, after, blocked: bool = False):
     return conv_bn(downsample[0], downsample[1], x, blocked)
 
 
-def conv_bn_add_relu(conv: nn.Conv2d, bn: nn.BatchNorm2d, relu: nn.Cell, x, identity, blocked: bool = False):
+def conv_bn_add_relu(conv: nn.Conv2d, bn: nn.BatchNorm2d, relu: nn.Cell, x, identity, blocked: bool = False,
+                     relu_gradient_by_users: bool = False):
     """relu(bn(conv(x)) + identity), a residual block's end; on channel blocks (a training step, see conv_bn) a
-    convolution that can run its BatchNorm itself runs the addition and ReLU in the same call."""
+    convolution that can run its BatchNorm itself runs the addition and ReLU in the same call, and with
+    relu_gradient_by_users leaves the ReLU's gradient to the result's users (the ResNet blocks: the next block's
+    input_users, or ResNet's output_relu_gradient after the last)."""
     if blocked and hasattr(conv, "with_batchnorm_add_relu"):
-        return conv.with_batchnorm_add_relu(x, bn, identity)
+        return conv.with_batchnorm_add_relu(x, bn, identity, relu_gradient_by_users)
     return relu(conv_bn(conv, bn, x, blocked) + identity)
+
+
+def relu_output_cells(conv: ConvClass):
+    """(fanout, gradient) cells for the users of a residual block's ReLU output in a training step on channel blocks
+    (BlockedConv2d.relu_output_cells), or (None, None) for a convolution without them."""
+    return conv.relu_output_cells() if hasattr(conv, "relu_output_cells") else (None, None)
 
 
 def conv_bn_relu(conv: nn.Conv2d, bn: nn.BatchNorm2d, relu: nn.Cell, x, blocked: bool = False):
@@ -136,6 +145,8 @@ class BasicBlock(nn.Cell):
         self.conv2 = conv3x3(planes, planes, conv=conv)
         self.bn2 = batch_norm(planes, variant.block_bn_eps)
         self.downsample = downsample
+        # x's two users in a training step on channel blocks: their gradients summed with the ReLU's in one pass.
+        self.input_users = relu_output_cells(conv)[0]
 
     def last_bn(self) -> nn.BatchNorm2d:
         return self.bn2
@@ -143,13 +154,15 @@ class BasicBlock(nn.Cell):
     def construct(self, x, blocked: bool = False):
         # blocked: x and the result are in channel blocks (ResNet's training step, see conv_bn).
         identity = x
+        if blocked:
+            x, identity = self.input_users(x)
         out = x
         if self.pad1 is not None:
             out = self.pad1(out)
         out = conv_bn_relu(self.conv1, self.bn1, self.relu, out, blocked)
         if self.downsample is not None:
-            identity = shortcut(self.downsample, x, out, blocked)
-        return conv_bn_add_relu(self.conv2, self.bn2, self.relu, out, identity, blocked)
+            identity = shortcut(self.downsample, identity, out, blocked)
+        return conv_bn_add_relu(self.conv2, self.bn2, self.relu, out, identity, blocked, relu_gradient_by_users=True)
 
 
 class Bottleneck(nn.Cell):
@@ -170,6 +183,7 @@ class Bottleneck(nn.Cell):
         self.bn3 = batch_norm(planes * self.expansion, variant.block_bn_eps)
         self.relu = nn.ReLU()
         self.downsample = downsample
+        self.input_users = relu_output_cells(conv)[0]  # as BasicBlock's
 
     def last_bn(self) -> nn.BatchNorm2d:
         return self.bn3
@@ -177,13 +191,15 @@ class Bottleneck(nn.Cell):
     def construct(self, x, blocked: bool = False):
         # blocked: x and the result are in channel blocks (ResNet's training step, see conv_bn).
         identity = x
+        if blocked:
+            x, identity = self.input_users(x)
         out = conv_bn_relu(self.conv1, self.bn1, self.relu, x, blocked)
         if self.pad2 is not None:
             out = self.pad2(out)
         out = conv_bn_relu(self.conv2, self.bn2, self.relu, out, blocked)
         if self.downsample is not None:
-            identity = shortcut(self.downsample, x, out, blocked)
-        return conv_bn_add_relu(self.conv3, self.bn3, self.relu, out, identity, blocked)
+            identity = shortcut(self.downsample, identity, out, blocked)
+        return conv_bn_add_relu(self.conv3, self.bn3, self.relu, out, identity, blocked, relu_gradient_by_users=True)
 
 
 Block = Union[Type[BasicBlock], Type[Bottleneck]]
@@ -250,7 +266,7 @@ class ResNet(nn.Cell):
         self.fc = nn.Dense(512 * block.expansion, num_classes)
         self.num_classes = num_classes
         self._initialize(zero_init_residual)
-        self.to_blocks = self.from_blocks = None
+        self.to_blocks = self.from_blocks = self.output_relu_gradient = None
         layers = (self.layer1, self.layer2, self.layer3, self.layer4)
         convs = [cell for layer in layers for _, cell in layer.cells_and_names() if isinstance(cell, nn.Conv2d)]
         if (blocked_activations and hasattr(conv, "channel_block_cells") and not variant.stride2_conv_same
@@ -258,6 +274,8 @@ class ResNet(nn.Cell):
             # Training keeps layer1..layer4's activations in channel blocks: one reorder in and one out per step,
             # instead of one around every convolution (SamePad's concatenations would need the plain layout).
             self.to_blocks, self.from_blocks = conv.channel_block_cells()
+            # The blocks leave their output's ReLU gradient to its users (conv_bn_add_relu): layer4's last to this.
+            self.output_relu_gradient = relu_output_cells(conv)[1]
         # Whether training's conv1 writes channel blocks, its ReLU and torch's max pool (stem_pool, one native call)
         # running on them, so that layer1's input needs no reorder.
         self.stem_blocked, self.stem_pool = False, None
@@ -315,7 +333,7 @@ class ResNet(nn.Cell):
             for layer in (self.layer1, self.layer2, self.layer3, self.layer4):
                 for block in layer:  # each block told its input is blocked: SequentialCell passes one argument
                     x = block(x, True)
-            x = self.from_blocks(x)
+            x = self.from_blocks(self.output_relu_gradient(x))
         else:
             x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
         # Global average pooling: a mean over H and W equals AdaptiveAvgPool2d((1, 1)) and is cheaper.

@@ -232,3 +232,43 @@ def test_native_update_with_gradients_from_the_network_moves_the_weights_by_the_
         assert norm == pytest.approx(clip, rel=1e-3)
     for want, got in zip(reference, native_move):
         assert np.abs(got - want).max() <= 1e-5 * max(np.abs(want).max(), 1e-30) + 1e-12
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind, graph", [*((kind, True) for kind in PAIRS), ("adam", False)],
+                         ids=[*(f"{kind}-graph" for kind in PAIRS), "adam-pynative"])
+def test_native_update_in_a_blocked_resnet_step_moves_the_weights_as_the_mindspore_optimizer(kind, graph):
+    """A training step on channel blocks, whose gradients pass cells with a bprop of their own (a residual block's
+    input fanout), updates the weights themselves: in graph mode, without its mark as writing memory, the native
+    update got MindSpore's copies of the weights (TensorMove) and left the weights as they were. The step's weights
+    equal those of the MindSpore optimizer it stands for (ResNet-18 at 32x32, one step, in the mode as train.py sets
+    it)."""
+    from src.resnet import build_resnet
+    from src.train_step import AmpSetting, build_train_step
+    from src.utils import set_execution_mode
+    memory_level = ms.get_context("memory_optimize_level")  # a number; the mode: conftest's mindspore_mode_restored
+    config = load_config(["--optimizer", "adam"] if kind == "adam" else
+                         ["--optimizer", "momentum", *(["--nesterov"] if kind == "nesterov" else [])])
+    rng = np.random.default_rng(0)
+    images = ms.Tensor(rng.standard_normal((4, 3, 32, 32)).astype(np.float32))
+    labels = ms.Tensor(rng.integers(0, 10, 4).astype(np.int32))
+    after = []
+    try:
+        set_execution_mode(graph, "CPU", training=True)
+        for native in (True, False):
+            ms.set_seed(3)
+            net = build_resnet("resnet18", 10, conv_implementation="onednn_blocked")
+            optimizer = build_optimizer(config, net.trainable_params(), np.full(2, 0.01, np.float32), native=native,
+                                        gradients_from=net if native else None)
+            assert isinstance(optimizer, PAIRS[kind][0 if native else 1])
+            step = build_train_step(net, optimizer, config, AmpSetting("O0"))
+            before = {p.name: p.asnumpy().copy() for p in net.trainable_params()}  # asnumpy may share the memory
+            step(images, labels)
+            after.append({p.name: p.asnumpy().copy() for p in net.trainable_params()})
+            unmoved = [name for name in before if np.array_equal(after[-1][name], before[name])]
+            assert not unmoved, f"native={native}: {unmoved}"
+    finally:
+        ms.set_context(memory_optimize_level=f"O{memory_level}")
+    ours, reference = after
+    for name, weights in reference.items():
+        np.testing.assert_allclose(ours[name], weights, rtol=2e-6, atol=1e-7, err_msg=name)

@@ -241,21 +241,24 @@ def test_build_without_a_compiler_installs_and_records_why(tmp_path):
 
 
 def conv_batchnorm_results(conv: nn.Conv2d, bn: nn.BatchNorm2d, x: np.ndarray, upstream: np.ndarray,
-                           blocked: bool = False, relu: bool = False, identity: Optional[np.ndarray] = None):
+                           blocked: bool = False, relu: bool = False, identity: Optional[np.ndarray] = None,
+                           relu_gradient_by_users: bool = False):
     """y, the moving statistics after one training forward, and the gradients of (y * upstream).sum() for x,
     the weights, gamma and beta (and the identity, where given): through conv_bn (relu: conv_bn_relu; with an
     identity conv_bn_add_relu), as the ResNet blocks call it (blocked: on channel blocks, as a training step of
-    ResNet does, reordered from and to the plain layout around it)."""
-    from src.onednn_conv import ChannelBlocks
+    ResNet does, reordered from and to the plain layout around it; relu_gradient_by_users: the block's end leaves
+    the ReLU's gradient to its output's user, ReluOutputGradient, as ResNet's last block does)."""
+    from src.onednn_conv import ChannelBlocks, ReluOutputGradient
     bn.set_train(True)
     conv.set_train(True)
     to_blocks, from_blocks = ChannelBlocks(True), ChannelBlocks(False)
+    user = ReluOutputGradient() if relu_gradient_by_users else nn.Identity()
 
     def forward(images, residual=None):
         if residual is not None:
             if blocked:
-                return from_blocks(conv_bn_add_relu(conv, bn, nn.ReLU(), to_blocks(images), to_blocks(residual),
-                                                    True))
+                return from_blocks(user(conv_bn_add_relu(conv, bn, nn.ReLU(), to_blocks(images), to_blocks(residual),
+                                                         True, relu_gradient_by_users)))
             return conv_bn_add_relu(conv, bn, nn.ReLU(), images, residual)
         if relu:
             if blocked:
@@ -324,28 +327,34 @@ def test_convolution_with_batchnorm_and_relu_equals_conv2d_batchnorm2d_relu(case
 # offset: added to the input, so that each channel's mean of the convolution's output is many times its spread
 # (6300 values a channel), where BatchNorm's variance from plain sums of squares would lose its digits to
 # cancellation.
-@pytest.mark.parametrize("residual", [False, True], ids=["", "add_relu"])
+@pytest.mark.parametrize("residual, users", [(False, False), (True, False), (True, True)],
+                         ids=["", "add_relu", "add_relu_gradient_by_user"])
 @pytest.mark.parametrize("offset", [0.0, 40.0], ids=["", "offset"])
-def test_convolution_with_batchnorm_on_large_maps_equals_conv2d_then_batchnorm2d(residual, offset):
+def test_convolution_with_batchnorm_on_large_maps_equals_conv2d_then_batchnorm2d(residual, users, offset):
     """The same on channel blocks for a 3x3 layer whose Winograd products are as large as ResNet-50's at 224x224
-    (its forward and gradients as F(4x4, 3x3) with AVX-512, in the uncapped rerun); also as a residual block's end,
-    and on inputs far from zero."""
+    (its forward and gradients as F(4x4, 3x3) with AVX-512, in the uncapped rerun); also as a residual block's end
+    (applying its ReLU's gradient itself, or leaving it to its output's user as in ResNet), and on inputs far from
+    zero."""
     check_convolution_with_batchnorm(LARGE_WINOGRAD_CASE, ms.PYNATIVE_MODE, False, blocked=True,
-                                     batch=LARGE_WINOGRAD_BATCH, residual=residual, offset=offset)
+                                     batch=LARGE_WINOGRAD_BATCH, residual=residual, offset=offset,
+                                     relu_gradient_by_users=users)
 
 
 @pytest.mark.parametrize("case", BLOCKED_CASES, ids=lambda c: f"{c[2]}x{c[2]}s{c[3]}p{c[4]}_{c[0]}to{c[1]}_h{c[5]}")
 @pytest.mark.parametrize("mode", [pytest.param(ms.GRAPH_MODE, marks=pytest.mark.slow), ms.PYNATIVE_MODE],
                          ids=["graph", "pynative"])
-def test_convolution_with_batchnorm_add_relu_equals_conv2d_batchnorm2d_add_relu(case, mode):
+@pytest.mark.parametrize("users", [False, True], ids=["", "gradient_by_user"])
+def test_convolution_with_batchnorm_add_relu_equals_conv2d_batchnorm2d_add_relu(case, mode, users):
     """A residual block's end on channel blocks, relu(bn(conv(x)) + identity) in one native call, gives nn.Conv2d +
-    nn.BatchNorm2d + add + nn.ReLU's output, moving statistics and gradients, the identity's too. These outputs are
-    small: oneDNN's BatchNorm, then AddRelu's pass (the large-maps case runs the native BatchNorm)."""
-    check_convolution_with_batchnorm(case, mode, False, blocked=True, residual=True)
+    nn.BatchNorm2d + add + nn.ReLU's output, moving statistics and gradients, the identity's too; also where it
+    leaves its ReLU's gradient to its output's user (ReluOutputGradient), as in ResNet. These outputs are small:
+    oneDNN's BatchNorm, then AddRelu's pass (the large-maps case runs the native BatchNorm)."""
+    check_convolution_with_batchnorm(case, mode, False, blocked=True, residual=True, relu_gradient_by_users=users)
 
 
 def check_convolution_with_batchnorm(case, mode, deferred: bool, blocked: bool, relu: bool = False,
-                                     batch: int = 4, residual: bool = False, offset: float = 0.0) -> None:
+                                     batch: int = 4, residual: bool = False, offset: float = 0.0,
+                                     relu_gradient_by_users: bool = False) -> None:
     ms.set_context(mode=mode)
     ci, co, k, s, p, h = case
     plain, native = conv_pair(ci, co, k, s, p)
@@ -377,7 +386,8 @@ def check_convolution_with_batchnorm(case, mode, deferred: bool, blocked: bool, 
         sums = probe(plain(ms.Tensor(x))).asnumpy() + identity
         upstream[np.abs(sums) < 1e-4] = 0.0
     expected, expected_start = conv_batchnorm_results(plain, norms[0], x, upstream, relu=relu, identity=identity)
-    actual, actual_start = conv_batchnorm_results(native, norms[1], x, upstream, blocked, relu, identity)
+    actual, actual_start = conv_batchnorm_results(native, norms[1], x, upstream, blocked, relu, identity,
+                                                  relu_gradient_by_users)
     for before, after in zip(expected_start, actual_start):
         assert rel_diff(after, before) < 1e-5
     names = ["y", "moving_mean", "moving_variance", "dx", "dw", "dgamma", "dbeta", "d_identity"]
@@ -452,6 +462,42 @@ def test_add_relu_equals_torch(mode):
     np.testing.assert_array_equal(db.asnumpy(), second.grad.numpy())
 
 
+@pytest.mark.parametrize("mode", [pytest.param(ms.GRAPH_MODE, marks=pytest.mark.slow), ms.PYNATIVE_MODE],
+                         ids=["graph", "pynative"])
+def test_relu_output_cells_apply_the_relu_gradient_for_the_outputs_users(mode):
+    """ReluOutputFanout hands a ReLU's output x to its two users unchanged and gives x the ReLU's gradient of the sum
+    of theirs in one native pass: 0 where x <= 0, else their sum in float32, NaN's passed on as torch's ReLU does
+    (the op that made x then leaves that gradient out); ReluOutputGradient does so for a single user. A size that is
+    not a multiple of the pool's chunks or of a vector."""
+    from src.onednn_conv import ReluOutputFanout, ReluOutputGradient
+    ms.set_context(mode=mode)
+    rng = np.random.default_rng(11)
+    x = np.maximum(rng.integers(-3, 4, (3, 16, 37, 29)), 0).astype(np.float32)  # zeros among the positives
+    x[0, 0, 0, :2] = np.nan
+    first, second = (rng.standard_normal(x.shape).astype(np.float32) for _ in range(2))
+
+    class TwoUsers(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.fanout, self.gradient = ReluOutputFanout(), ReluOutputGradient()
+
+        def construct(self, x, da, db):
+            to_first, to_second = self.fanout(x)
+            return (to_first * da).sum() + (self.gradient(to_second) * db).sum(), to_first, to_second
+
+    net = TwoUsers()
+    _, to_first, to_second = net(ms.Tensor(x), ms.Tensor(first), ms.Tensor(second))
+    np.testing.assert_array_equal(to_first.asnumpy(), x)
+    np.testing.assert_array_equal(to_second.asnumpy(), x)
+    def objective(x, da, db):
+        return net(x, da, db)[0]
+    dx = ms.grad(objective, grad_position=0)(ms.Tensor(x), ms.Tensor(first), ms.Tensor(second))
+    # The second user's gradient passes ReluOutputGradient (masked), then the fanout masks the sum: the same mask.
+    expected = np.where(x <= 0, np.float32(0), first + second)
+    np.testing.assert_array_equal(dx.asnumpy(), expected)
+    assert (expected[0, 0, 0, :2] == (first + second)[0, 0, 0, :2]).all() and (x == 0).any()
+
+
 def test_batchnorm_fusion_falls_back_where_it_cannot_run():
     """In inference mode, and for channels that don't fill whole blocks (of 8 or 16), conv_bn runs the two cells."""
     ms.set_context(mode=ms.GRAPH_MODE)
@@ -515,7 +561,7 @@ def test_pool_workers_sleep_when_the_calls_stop():
 # uncapped, where an AVX-512 CPU takes 16-channel blocks and other kernels.
 UNCAPPED_TESTS = ["tests/test_onednn_conv.py", "tests/test_fused_inference.py", "tests/test_native_optimizer.py", "-k",
                   "equal or computes or refresh or keep_their_own or channel_block_follows or follows_the_mindspore "
-                  "or vector_width"]
+                  "or vector_width or relu_output_cells"]
 
 
 @pytest.mark.skipif(not cpu_has_avx512(), reason="no AVX-512: the in-process tests cover the 8-channel blocks")
