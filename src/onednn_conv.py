@@ -460,11 +460,15 @@ class BlockedConv2d(nn.Conv2d):
         return ChannelBlocks(True), ChannelBlocks(False)
 
     @staticmethod
-    def relu_output_cells() -> Tuple[ReluOutputFanout, ReluOutputGradient]:
-        """Cells for the users of a residual block's output, which apply its ReLU's gradient themselves in a
-        training step on channel blocks (with_batchnorm_add_relu's relu_gradient_by_users): a fanout for a block's
-        input, and the identity for the last block's output."""
-        return ReluOutputFanout(), ReluOutputGradient()
+    def relu_output_fanout_cell() -> ReluOutputFanout:
+        """A cell that hands a residual block's input to its two users and applies the ReLU's gradient for them, in
+        a training step on channel blocks (with_batchnorm_add_relu's relu_gradient_by_users)."""
+        return ReluOutputFanout()
+
+    @staticmethod
+    def relu_output_gradient_cell() -> ReluOutputGradient:
+        """The identity that applies the ReLU's gradient for the one user of the last block's output (as above)."""
+        return ReluOutputGradient()
 
     @staticmethod
     def relu_max_pool_cell() -> ReluMaxPool:
@@ -509,7 +513,7 @@ class BlockedConv2d(nn.Conv2d):
         the BatchNorm's statistics, then its normalization with the addition and ReLU, two passes over the
         convolution's output, where oneDNN's BatchNorm wrote its output and the addition read it back. Elsewhere
         with_batchnorm, then relu(a + b) in one native pass.
-        relu_gradient_by_users: every user of the result applies the ReLU's gradient (relu_output_cells), so that
+        relu_gradient_by_users: every user of the result applies the ReLU's gradient (ReluOutputFanout), so that
         the native call's gradient does not apply it again (the fallback's does; it gives the same numbers)."""
         if (self.batchnorm_add_relu_op is None or x.dtype != ms.float32 or not bn.training
                 or bn.use_batch_statistics is False):

@@ -110,12 +110,6 @@ def conv_bn_add_relu(conv: nn.Conv2d, bn: nn.BatchNorm2d, relu: nn.Cell, x, iden
     return relu(conv_bn(conv, bn, x, blocked) + identity)
 
 
-def relu_output_cells(conv: ConvClass):
-    """(fanout, gradient) cells for the users of a residual block's ReLU output in a training step on channel blocks
-    (BlockedConv2d.relu_output_cells), or (None, None) for a convolution without them."""
-    return conv.relu_output_cells() if hasattr(conv, "relu_output_cells") else (None, None)
-
-
 def conv_bn_relu(conv: nn.Conv2d, bn: nn.BatchNorm2d, relu: nn.Cell, x, blocked: bool = False):
     """relu(bn(conv(x))); a convolution that can run its BatchNorm itself runs the ReLU in the same call."""
     if hasattr(conv, "with_batchnorm"):
@@ -146,7 +140,7 @@ class BasicBlock(nn.Cell):
         self.bn2 = batch_norm(planes, variant.block_bn_eps)
         self.downsample = downsample
         # x's two users in a training step on channel blocks: their gradients summed with the ReLU's in one pass.
-        self.input_users = relu_output_cells(conv)[0]
+        self.input_users = conv.relu_output_fanout_cell() if hasattr(conv, "relu_output_fanout_cell") else None
 
     def last_bn(self) -> nn.BatchNorm2d:
         return self.bn2
@@ -183,7 +177,8 @@ class Bottleneck(nn.Cell):
         self.bn3 = batch_norm(planes * self.expansion, variant.block_bn_eps)
         self.relu = nn.ReLU()
         self.downsample = downsample
-        self.input_users = relu_output_cells(conv)[0]  # as BasicBlock's
+        self.input_users = (  # as BasicBlock's
+            conv.relu_output_fanout_cell() if hasattr(conv, "relu_output_fanout_cell") else None)
 
     def last_bn(self) -> nn.BatchNorm2d:
         return self.bn3
@@ -275,7 +270,7 @@ class ResNet(nn.Cell):
             # instead of one around every convolution (SamePad's concatenations would need the plain layout).
             self.to_blocks, self.from_blocks = conv.channel_block_cells()
             # The blocks leave their output's ReLU gradient to its users (conv_bn_add_relu): layer4's last to this.
-            self.output_relu_gradient = relu_output_cells(conv)[1]
+            self.output_relu_gradient = conv.relu_output_gradient_cell()
         # Whether training's conv1 writes channel blocks, its ReLU and torch's max pool (stem_pool, one native call)
         # running on them, so that layer1's input needs no reorder.
         self.stem_blocked, self.stem_pool = False, None

@@ -200,6 +200,25 @@ def test_gradient_windows_only_where_the_update_alone_reads_the_gradients():
     assert not update_alone_reads_gradients(load_config([]), AmpSetting("O2", 1024.0))
 
 
+def _blocked_resnet18_step(config, learning_rate: float, native: bool, gradient_windows: bool = False):
+    """One training step of ResNet-18 (onednn_blocked, 32x32, batch 4, fixed seed and data) with the optimizer
+    build_optimizer makes for config (native: with gradients_from the network): (the optimizer, each trainable
+    parameter's value before the step, after it), copies by name."""
+    from src.resnet import build_resnet
+    from src.train_step import AmpSetting, build_train_step
+    rng = np.random.default_rng(0)
+    images = ms.Tensor(rng.standard_normal((4, 3, 32, 32)).astype(np.float32))
+    labels = ms.Tensor(rng.integers(0, 10, 4).astype(np.int32))
+    ms.set_seed(3)
+    net = build_resnet("resnet18", 10, conv_implementation="onednn_blocked")
+    optimizer = build_optimizer(config, net.trainable_params(), np.full(2, learning_rate, np.float32), native=native,
+                                gradients_from=net if native else None, gradient_windows=gradient_windows)
+    step = build_train_step(net, optimizer, config, AmpSetting("O0"))
+    before = {p.name: p.asnumpy().copy() for p in net.trainable_params()}  # asnumpy may share the parameter's memory
+    step(images, labels)
+    return optimizer, before, {p.name: p.asnumpy().copy() for p in net.trainable_params()}
+
+
 @pytest.mark.parametrize("clip", [0.0, 0.01], ids=["unclipped", "clipped"])
 def test_native_update_with_gradients_from_the_network_moves_the_weights_by_the_gradients(clip):
     """SGD with lr 1 and no momentum or decay moves the weights by exactly minus the gradients. ResNet-18 at 32x32,
@@ -207,25 +226,14 @@ def test_native_update_with_gradients_from_the_network_moves_the_weights_by_the_
     taps where nothing else reads them: the move is the gradients of MindSpore's optimizer in the same step, and
     with clipping their global norm is grad_clip_norm (a gradient with unwritten memory in it would not be)."""
     from src.model_utils.config import load_config
-    from src.resnet import build_resnet
-    from src.train_step import AmpSetting, build_train_step, update_alone_reads_gradients
+    from src.train_step import AmpSetting, update_alone_reads_gradients
     config = load_config(["--optimizer", "momentum", "--momentum", "0", "--weight_decay", "0",
                           "--grad_clip_norm", str(clip)])
-    amp = AmpSetting("O0")
-    rng = np.random.default_rng(0)
-    images = ms.Tensor(rng.standard_normal((4, 3, 32, 32)).astype(np.float32))
-    labels = ms.Tensor(rng.integers(0, 10, 4).astype(np.int32))
     moves = []
     for native in (False, True):
-        ms.set_seed(3)
-        net = build_resnet("resnet18", 10, conv_implementation="onednn_blocked")
-        optimizer = build_optimizer(config, net.trainable_params(), np.ones(2, np.float32), native=native,
-                                    gradients_from=net if native else None,
-                                    gradient_windows=native and update_alone_reads_gradients(config, amp))
-        step = build_train_step(net, optimizer, config, amp)
-        before = [p.asnumpy().astype(np.float64) for p in net.trainable_params()]
-        step(images, labels)
-        moves.append([p.asnumpy() - old for p, old in zip(net.trainable_params(), before)])
+        _, before, after = _blocked_resnet18_step(
+            config, 1.0, native, gradient_windows=native and update_alone_reads_gradients(config, AmpSetting("O0")))
+        moves.append([after[name].astype(np.float64) - old.astype(np.float64) for name, old in before.items()])
     reference, native_move = moves
     norm = np.sqrt(sum(float((m ** 2).sum()) for m in native_move))
     if clip:
@@ -243,30 +251,19 @@ def test_native_update_in_a_blocked_resnet_step_moves_the_weights_as_the_mindspo
     update got MindSpore's copies of the weights (TensorMove) and left the weights as they were. The step's weights
     equal those of the MindSpore optimizer it stands for (ResNet-18 at 32x32, one step, in the mode as train.py sets
     it)."""
-    from src.resnet import build_resnet
-    from src.train_step import AmpSetting, build_train_step
     from src.utils import set_execution_mode
     memory_level = ms.get_context("memory_optimize_level")  # a number; the mode: conftest's mindspore_mode_restored
     config = load_config(["--optimizer", "adam"] if kind == "adam" else
                          ["--optimizer", "momentum", *(["--nesterov"] if kind == "nesterov" else [])])
-    rng = np.random.default_rng(0)
-    images = ms.Tensor(rng.standard_normal((4, 3, 32, 32)).astype(np.float32))
-    labels = ms.Tensor(rng.integers(0, 10, 4).astype(np.int32))
     after = []
     try:
         set_execution_mode(graph, "CPU", training=True)
         for native in (True, False):
-            ms.set_seed(3)
-            net = build_resnet("resnet18", 10, conv_implementation="onednn_blocked")
-            optimizer = build_optimizer(config, net.trainable_params(), np.full(2, 0.01, np.float32), native=native,
-                                        gradients_from=net if native else None)
+            optimizer, before, weights = _blocked_resnet18_step(config, 0.01, native)
             assert isinstance(optimizer, PAIRS[kind][0 if native else 1])
-            step = build_train_step(net, optimizer, config, AmpSetting("O0"))
-            before = {p.name: p.asnumpy().copy() for p in net.trainable_params()}  # asnumpy may share the memory
-            step(images, labels)
-            after.append({p.name: p.asnumpy().copy() for p in net.trainable_params()})
-            unmoved = [name for name in before if np.array_equal(after[-1][name], before[name])]
+            unmoved = [name for name in before if np.array_equal(weights[name], before[name])]
             assert not unmoved, f"native={native}: {unmoved}"
+            after.append(weights)
     finally:
         ms.set_context(memory_optimize_level=f"O{memory_level}")
     ours, reference = after
