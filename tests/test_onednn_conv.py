@@ -629,6 +629,20 @@ def test_training_keeps_activations_in_channel_blocks(default_training_log):
 
 
 @pytest.mark.slow
+def test_training_copies_the_1x1_weights_for_their_input_gradients_itself(default_training_log):
+    """The 1x1 layers' input gradients read the weights as tiles of runs of input channels (AVX-512's data-gradient
+    kernels, and under AVX2 the forward convolution with the kernels transposed): the native library copies them
+    there itself, not through oneDNN's reorders (25 of them in this step under AVX2 before it did)."""
+    one_pixel_kernels = [fields[8] for fields in default_training_log[1]
+                         if fields[5] == "reorder" and fields[-2].endswith("x1x1")]
+    # The forward kernels' weights still go through oneDNN's reorders: the log has 1x1 weight reorders at all.
+    assert any(layouts.startswith("src:f32::blocked:abcd::") for layouts in one_pixel_kernels), one_pixel_kernels
+    transposed = [layouts for layouts in one_pixel_kernels
+                  if layouts.startswith("src:f32::blocked:bacd::") or "dst:f32::blocked:BAcd16a16b:" in layouts]
+    assert transposed == []
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("stem", ["cifar", "imagenet"])
 def test_blocked_activations_train_to_the_same_weights(stem):
     """With the CIFAR stem, keeping the activations in channel blocks changes where numbers are in memory, not what
