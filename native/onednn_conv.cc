@@ -2691,7 +2691,7 @@ class Runtime {
   // 1.2-2x as long standalone with B = 16 (the largest weight reorders of a training step at 32x32), and 1.0-1.5x as
   // long in the step with B = 8 (each call timed there, in an ad-hoc build). Copying a cache line's worth of columns
   // of every row at a time instead, each part's tiles written front to back, was 1.3-2.8x faster than the reorders
-  // standalone but 1.6-1.9x slower in the step: not kept.
+  // standalone but 1.4-1.8x slower in the step: not kept.
   template <int64_t block>
   void CopyToTransposedBlocks(const float *plain, int64_t out, int64_t in, float *tiles) {
     const int64_t row_blocks = out / block;
