@@ -110,6 +110,13 @@ def conv_bn_add_relu(conv: nn.Conv2d, bn: nn.BatchNorm2d, relu: nn.Cell, x, iden
     return relu(conv_bn(conv, bn, x, blocked) + identity)
 
 
+def block_input_users(conv: ConvClass) -> Optional[nn.Cell]:
+    """The cell that hands a residual block's input to its two users in a training step on channel blocks, their
+    gradients summed with the ReLU's in one pass (BlockedConv2d.relu_output_fanout_cell); None for other
+    convolutions."""
+    return conv.relu_output_fanout_cell() if hasattr(conv, "relu_output_fanout_cell") else None
+
+
 def conv_bn_relu(conv: nn.Conv2d, bn: nn.BatchNorm2d, relu: nn.Cell, x, blocked: bool = False):
     """relu(bn(conv(x))); a convolution that can run its BatchNorm itself runs the ReLU in the same call."""
     if hasattr(conv, "with_batchnorm"):
@@ -139,8 +146,7 @@ class BasicBlock(nn.Cell):
         self.conv2 = conv3x3(planes, planes, conv=conv)
         self.bn2 = batch_norm(planes, variant.block_bn_eps)
         self.downsample = downsample
-        # x's two users in a training step on channel blocks: their gradients summed with the ReLU's in one pass.
-        self.input_users = conv.relu_output_fanout_cell() if hasattr(conv, "relu_output_fanout_cell") else None
+        self.input_users = block_input_users(conv)
 
     def last_bn(self) -> nn.BatchNorm2d:
         return self.bn2
@@ -177,8 +183,7 @@ class Bottleneck(nn.Cell):
         self.bn3 = batch_norm(planes * self.expansion, variant.block_bn_eps)
         self.relu = nn.ReLU()
         self.downsample = downsample
-        self.input_users = (  # as BasicBlock's
-            conv.relu_output_fanout_cell() if hasattr(conv, "relu_output_fanout_cell") else None)
+        self.input_users = block_input_users(conv)
 
     def last_bn(self) -> nn.BatchNorm2d:
         return self.bn3
