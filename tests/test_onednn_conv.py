@@ -633,11 +633,13 @@ def test_training_copies_the_1x1_weights_for_their_input_gradients_itself(defaul
     """The 1x1 layers' input gradients read the weights as tiles of runs of input channels (AVX-512's data-gradient
     kernels, and under AVX2 the forward convolution with the kernels transposed): the native library copies them
     there itself, not through oneDNN's reorders (25 of them in this step under AVX2 before it did)."""
-    one_pixel_kernels = [fields[8] for fields in default_training_log[1]
-                         if fields[5] == "reorder" and fields[-2].endswith("x1x1")]
-    # The forward kernels' weights still go through oneDNN's reorders: the log has 1x1 weight reorders at all.
-    assert any(layouts.startswith("src:f32::blocked:abcd::") for layouts in one_pixel_kernels), one_pixel_kernels
-    transposed = [layouts for layouts in one_pixel_kernels
+    # Reorders of 1x1 weights, and of activations on 1x1 maps (layer4's at 32x32), which the checks below tell apart.
+    on_1x1 = [fields[8] for fields in default_training_log[1] if fields[5] == "reorder" and fields[-2].endswith("x1x1")]
+    # The forward kernels' weights still go through oneDNN's reorders (plain OIHW into ABcd8b8a or ABcd16b16a): the
+    # log has 1x1 weight reorders at all.
+    assert any(layouts.startswith("src:f32::blocked:abcd::") and " dst:f32::blocked:AB" in layouts
+               for layouts in on_1x1), on_1x1
+    transposed = [layouts for layouts in on_1x1
                   if layouts.startswith("src:f32::blocked:bacd::") or "dst:f32::blocked:BAcd16a16b:" in layouts]
     assert transposed == []
 
