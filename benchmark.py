@@ -9,15 +9,16 @@ python benchmark.py [--sizes 32,224] [--modes train,eval] [--frameworks mindspor
                     [--optimizer adam|nesterov] [--isa native|avx2] [--train_py] [--output FILE]
 
 Each (framework, mode, input size, batch size, training recipe) runs in its own process: warmup steps (compilation
-included) are not timed, then --repeats timings of --steps steps, the processes of one (mode, input size, batch size)
-taking turns timing by timing, so that each framework's timings and the others' share the machine's phases; the
-table reports the median, pooled over --rounds rounds. onnxruntime (inference only, --threads intra-op threads) runs
-the file export.py writes for a seeded network of the same shape, exported once per input size and batch before the
-rounds. MindSpore runs as train.py does, with conv_implementation resolved on CPU; --train_py also times train.py
-itself. The GEMM rate is timed the same way (one n x n product per timing, one process per backend: MindSpore
-ops.matmul with the oneDNN setting its model workers use, numpy, and torch.mm when torch is installed) before and
-after the model measurements; the fastest backend's median is the reference. FLOPs per image are counted from the
-network (see src.benchmark.FLOP_CONVENTION). Results go to stdout as a markdown table and to --output as JSON.
+included) are not timed, then --repeats timings of --steps steps, the processes of one (mode, input size, batch
+size) taking turns timing by timing, so that each framework's timings and the others' share the machine's phases;
+the table reports the median, pooled over --rounds rounds. onnxruntime (inference only, --threads intra-op threads)
+runs the file export.py writes for a seeded network of the same shape, exported once per input size and batch before
+the rounds. MindSpore runs as train.py does, with conv_implementation resolved on CPU; --train_py also times
+train.py itself, taking turns with the training workers (stopped between its turns). The GEMM rate is timed the same
+way (one n x n product per timing, one process per backend: MindSpore ops.matmul with the oneDNN setting its model
+workers use, numpy, and torch.mm when torch is installed) before and after the model measurements; the fastest
+backend's median is the reference. FLOPs per image are counted from the network (see src.benchmark.FLOP_CONVENTION).
+Results go to stdout as a markdown table and to --output as JSON.
 """
 import argparse
 import datetime
@@ -35,10 +36,10 @@ from typing import Callable, Dict, List, Tuple
 
 from src.architectures import MODEL_NAMES as ARCHITECTURES  # not src.resnet's: it would load MindSpore
 from src.atomic_file import write_text_atomic
-from src.benchmark import (GEMM_BACKENDS, OPTIMIZERS, Measurement, WorkerRun, check_recipe, export_onnx_here,
-                           export_onnx_in_subprocess, flops_per_image, forward_macs, forward_macs_in_subprocess,
-                           measure_gemm_here, measure_gemm_in_subprocess, measure_here, measure_side_by_side,
-                           measure_train_py, table, to_json, warmup_steps, worker_turns)
+from src.benchmark import (GEMM_BACKENDS, OPTIMIZERS, Measurement, TrainPyRun, WorkerRun, check_recipe,
+                           export_onnx_here, export_onnx_in_subprocess, flops_per_image, forward_macs,
+                           forward_macs_in_subprocess, measure_gemm_here, measure_gemm_in_subprocess, measure_here,
+                           measure_side_by_side, table, to_json, warmup_steps, worker_turns)
 from src.errors import OneLineArgumentParser, UserError, run_cli
 from src.model_utils.config import CHOICES
 
@@ -141,7 +142,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "such switch and is left out)")
     parser.add_argument("--train_py", action="store_true",
                         help="also time a real train.py run per training size and round (generated data, the same "
-                             "batch and threads; its second epoch's steps), next to the benchmark's training step")
+                             "batch and threads; its second epoch's steps, taking turns with the training workers), "
+                             "next to the benchmark's training step")
     parser.add_argument("--output", default="benchmark.json")
     parser.add_argument("--worker", choices=WORKERS, help=argparse.SUPPRESS)
     parser.add_argument("--side_by_side", action="store_true", help=argparse.SUPPRESS)  # a worker taking turns
@@ -172,7 +174,8 @@ def measure_models(args: argparse.Namespace, frameworks: List[str], macs: Dict[i
     process; those of one (mode, size, batch) take turns timing by timing (measure_side_by_side).
 
     Several rounds repeat the whole set over the run; each (framework, mode, size, batch, recipe) pools its timings
-    over the rounds. onnxruntime measures inference only. train.py, a whole run, follows its size's turns."""
+    over the rounds. onnxruntime measures inference only. train.py (--train_py), a whole run, takes
+    turns with its size's training workers, stopped between its turns."""
     measurements: Dict[tuple, Measurement] = {}
     for round_number in range(1, args.rounds + 1):
         for size, batch, mode in itertools.product(args.sizes, args.batch_size, args.modes):
@@ -182,15 +185,12 @@ def measure_models(args: argparse.Namespace, frameworks: List[str], macs: Dict[i
                               onnx_files.get((size, batch), "") if framework == "onnxruntime" else "", args.optimizer)
                     for framework in frameworks if mode == "eval" or framework != "onnxruntime"
                     for recipe in (args.recipes if framework == "mindspore" and mode == "train" else ["O0"])]
-            print(f"measuring {', '.join(run.describe() for run in runs)} {mode} {size}x{size} batch {batch}, taking "
-                  f"turns (round {round_number} of {args.rounds}) ...", file=sys.stderr, flush=True)
-            measured = measure_side_by_side(runs, args.threads)
-            if mode == "train" and args.train_py:  # right after the step it is compared with
-                print(f"measuring train.py {size}x{size} batch {batch} (round {round_number} of {args.rounds}) ...",
-                      file=sys.stderr, flush=True)
-                # as many timed steps as the worker's, and at least 6
-                measured.append(measure_train_py(args.model_name, size, batch, args.threads,
-                                                 max(6, args.repeats * steps), work_folder, args.optimizer))
+            train_py = (TrainPyRun(args.model_name, size, batch, steps, args.repeats, work_folder, args.optimizer)
+                        if mode == "train" and args.train_py else None)
+            print(f"measuring {', '.join(run.describe() for run in runs)}{' and train.py' if train_py else ''} {mode} "
+                  f"{size}x{size} batch {batch}, taking turns (round {round_number} of {args.rounds}) ...",
+                  file=sys.stderr, flush=True)
+            measured = measure_side_by_side(runs, args.threads, train_py)
             for measurement in measured:  # a measurement's recipe is set for MindSpore's training only
                 key = (measurement.framework, mode, size, batch, measurement.recipe)
                 measurement = replace(measurement, round_images_per_second=[measurement.images_per_second],

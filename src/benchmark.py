@@ -7,6 +7,7 @@ import contextlib
 import json
 import os
 import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -14,7 +15,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -446,31 +447,144 @@ class _TurnTakingWorker:
                                   idle_cpu_seconds=self.idle_cpu_seconds))
 
 
+TRAIN_PY_STEP_LINE = re.compile(r"epoch 2/2 step \d+/\d+ loss \S+ lr \S+ [0-9.]+ images/s")
+
+
+@dataclass
+class TrainPyRun:
+    """A real train.py run beside the workers of measure_side_by_side (benchmark.py --train_py): the default recipe
+    with the optimizer named in OPTIMIZERS, on generated CIFAR-format data in work_folder, at image_size and
+    batch_size, logging every step. Two epochs of 1 + (1 + repeats) * steps steps: the first compiles; of the
+    second, the first step runs alone and then each turn runs `steps` steps, the first turn untimed, as a worker's
+    warm-up's last block is."""
+    model_name: str
+    image_size: int
+    batch_size: int
+    steps: int
+    repeats: int
+    work_folder: str
+    optimizer: str = "adam"
+
+    def command(self) -> List[str]:
+        steps_per_epoch = 1 + (1 + self.repeats) * self.steps
+        return [sys.executable, str(REPO / "train.py"), "--model_name", self.model_name,
+                "--data_path", str(Path(self.work_folder) / "data"), "--synthetic_data", "true", "--download", "false",
+                "--image_height", str(self.image_size), "--image_width", str(self.image_size),
+                "--batch_size", str(self.batch_size), "--epoch_size", "2",
+                "--train_num_samples", str(self.batch_size * steps_per_epoch), "--eval_interval", "2",
+                "--eval_num_samples", str(self.batch_size), "--log_interval", "1", "--keep_checkpoint_max", "1",
+                "--output_path", str(Path(self.work_folder) / f"train-{self.image_size}"),
+                *OPTIMIZERS[self.optimizer][0]]
+
+
+class _StoppedTrainPy:
+    """train.py taking turns in measure_side_by_side: stopped (SIGSTOP) whenever it is not its turn, so that its steps
+    share the machine's phases with the workers' timings. A step's time is the time between its log line and the one
+    before (read here as they come), less the time the process was stopped in between: a stop falls inside the step
+    after the line that ended a turn."""
+
+    def __init__(self, run: TrainPyRun, threads: int) -> None:
+        self.run, self.threads = run, threads
+        self.what = f"train.py {run.image_size}x{run.image_size}"
+        self.output: List[str] = []  # all it printed
+        self.turns: List[List[float]] = []  # each turn's step seconds
+        self.turn_starts: List[float] = []  # each turn's resumption, Unix seconds
+        self.idle_seconds = 0.0
+        self.idle_cpu_seconds: Optional[float] = 0.0
+        self._last_line_at: Optional[float] = None
+        self._stopped_at: Optional[float] = None
+        self._stopped_for = 0.0
+        self.process = subprocess.Popen(run.command(), cwd=REPO, env=_worker_env(threads), stdout=subprocess.PIPE,
+                                        stderr=subprocess.STDOUT, text=True)
+
+    def failure(self) -> RuntimeError:
+        self._resume()
+        self.output.extend(self.process.stdout)
+        self.process.wait()
+        return RuntimeError(f"{self.what}: failed:\n{''.join(self.output)[-3000:]}")
+
+    def _read_steps(self, count: int) -> List[float]:
+        """Reads its output up to `count` more step lines of the second epoch; each step's seconds."""
+        seconds: List[float] = []
+        for line in self.process.stdout:
+            self.output.append(line)
+            if not TRAIN_PY_STEP_LINE.search(line):
+                continue
+            now = time.perf_counter()
+            if self._last_line_at is not None:
+                seconds.append(now - self._last_line_at - self._stopped_for)
+            self._last_line_at, self._stopped_for = now, 0.0
+            if len(seconds) == count:  # 0: the first step line
+                return seconds
+        raise self.failure()
+
+    def _pause(self) -> None:
+        self.process.send_signal(signal.SIGSTOP)
+        self._stopped_at = time.perf_counter()
+
+    def _resume(self) -> None:
+        if self._stopped_at is not None:
+            self.process.send_signal(signal.SIGCONT)
+            self._stopped_for += time.perf_counter() - self._stopped_at
+            self._stopped_at = None
+
+    def wait_until_idle(self) -> None:
+        """Its first epoch and its second epoch's first step, alone (the pipeline's start is in that step)."""
+        self._read_steps(0)
+        self._pause()
+
+    def take_turn(self) -> None:
+        self.turn_starts.append(time.time())
+        self._resume()
+        self.turns.append(self._read_steps(self.run.steps))
+        self._pause()
+
+    def result(self) -> Measurement:
+        """Lets train.py finish its run (its evaluation and checkpoints) and returns its timed turns' steps."""
+        self._resume()
+        self.output.extend(self.process.stdout)
+        if self.process.wait() != 0:
+            raise self.failure()
+        timed = self.turns[1:]  # the first turn is the warm-up's last block, as the workers'
+        return Measurement("train.py", "train", self.run.image_size, self.run.batch_size, self.threads,
+                           [seconds for turn in timed for seconds in turn], optimizer=self.run.optimizer,
+                           timing_start_times=self.turn_starts[1:], idle_seconds=self.idle_seconds,
+                           idle_cpu_seconds=self.idle_cpu_seconds)
+
+
 def _stop(process: subprocess.Popen) -> None:
-    """Kills a worker still running (the measurement failed elsewhere) and reaps it."""
+    """Kills a worker still running or stopped (the measurement failed elsewhere) and reaps it."""
     if process.poll() is None:
         process.kill()
     process.wait()
 
 
-def measure_side_by_side(runs: Sequence[WorkerRun], threads: int) -> List[Measurement]:
+def measure_side_by_side(runs: Sequence[WorkerRun], threads: int,
+                         train_py: Optional[TrainPyRun] = None) -> List[Measurement]:
     """Measures runs in worker processes that take turns: each warms up (compilation included) while the others
     wait, then they run one at a time, in the order of runs, the warm-up's last block of steps, then each timing,
     each turn once the last one's threads have gone quiet; none ends (its exit takes CPU) before the last timing.
     The workers' timings interleave, so a slow phase of a shared machine lasting seconds to minutes hits them
     alike instead of deciding a ratio. A waiting worker blocks on its stdin;
-    the CPU time it used meanwhile is recorded (Measurement.idle_seconds, idle_cpu_seconds)."""
-    if len({run.repeats for run in runs}) > 1:
+    the CPU time it used meanwhile is recorded (Measurement.idle_seconds, idle_cpu_seconds).
+    With train_py, a real train.py run takes turns last, stopped between its turns (_StoppedTrainPy), and its
+    measurement comes last."""
+    if len({run.repeats for run in runs} | ({train_py.repeats} if train_py else set())) > 1:
         raise ValueError("workers taking turns need the same number of repeats")
     with contextlib.ExitStack() as stack:
-        workers: List[_TurnTakingWorker] = []
+        workers: List[Union[_TurnTakingWorker, _StoppedTrainPy]] = []
         for run in runs:
             stderr = stack.enter_context(tempfile.TemporaryFile("w+"))
             worker = _TurnTakingWorker(run, threads, stderr)
             stack.callback(_stop, worker.process)
             workers.append(worker)
             worker.wait_until_idle()  # warmed up alone
-        for _ in range(1 + runs[0].repeats):  # the warm-up's last block, then the timings
+        if train_py is not None:
+            worker = _StoppedTrainPy(train_py, threads)
+            stack.callback(_stop, worker.process)
+            workers.append(worker)
+            worker.wait_until_idle()
+        for _ in range(1 + (runs[0] if runs else train_py).repeats):  # the warm-up's last block, then the timings
             for worker in workers:
                 others = [(other, _process_cpu_seconds(other.process.pid)) for other in workers if other is not worker]
                 started = time.perf_counter()
@@ -495,32 +609,6 @@ def measure_in_subprocess(framework: str, mode: str, model_name: str, image_size
     run = WorkerRun(framework, mode, model_name, image_size, batch_size, warmup, repeats, steps, conv_implementation,
                     inference_network, recipe, onnx_path, optimizer)
     return measure_side_by_side([run], threads)[0]
-
-
-TRAIN_PY_STEP_LINE = re.compile(r"epoch 2/2 step \d+/\d+ loss \S+ lr \S+ ([0-9.]+) images/s")
-
-
-def measure_train_py(model_name: str, image_size: int, batch_size: int, threads: int, steps: int,
-                     work_folder: str, optimizer: str = "adam") -> Measurement:
-    """Seconds per step of a real train.py run (the default recipe with the optimizer named in OPTIMIZERS, on
-    generated CIFAR-format data, at image_size, batch_size, `threads` threads as its OMP_NUM_THREADS): two epochs
-    of `steps` steps, logging every step; the second epoch's steps are timed (the first compiles). What a user's
-    run gets, for comparison with the worker's bare training step."""
-    output = Path(work_folder) / f"train-{image_size}"
-    command = [sys.executable, str(REPO / "train.py"), "--model_name", model_name,
-               "--data_path", str(Path(work_folder) / "data"), "--synthetic_data", "true", "--download", "false",
-               "--image_height", str(image_size), "--image_width", str(image_size), "--batch_size", str(batch_size),
-               "--epoch_size", "2", "--train_num_samples", str(batch_size * steps), "--eval_interval", "2",
-               "--eval_num_samples", str(batch_size), "--log_interval", "1", "--keep_checkpoint_max", "1",
-               "--output_path", str(output), *OPTIMIZERS[optimizer][0]]
-    process = subprocess.run(command, cwd=REPO, env=_worker_env(threads), capture_output=True, text=True)
-    if process.returncode != 0:
-        raise RuntimeError(f"train.py {image_size}x{image_size}: failed:\n{(process.stdout + process.stderr)[-3000:]}")
-    rates = [float(rate) for rate in TRAIN_PY_STEP_LINE.findall(process.stdout + process.stderr)]
-    if len(rates) != steps:
-        raise RuntimeError(f"train.py {image_size}x{image_size}: {len(rates)} step lines in epoch 2, not {steps}")
-    return Measurement("train.py", "train", image_size, batch_size, threads, [batch_size / rate for rate in rates],
-                       optimizer=optimizer)
 
 
 def measure_gemm_here(backend: str, n: int, threads: int, warmup: int, repeats: int,

@@ -15,8 +15,9 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, assert_one_line_error, run_script
-from src.benchmark import (FLOP_CONVENTION, GemmMeasurement, Measurement, WorkerRun, flops_per_image, forward_macs,
-                           gemm_rates, measure_gemm_here, measure_in_subprocess, measure_side_by_side, table, to_json)
+from src.benchmark import (FLOP_CONVENTION, GemmMeasurement, Measurement, TrainPyRun, WorkerRun, flops_per_image,
+                           forward_macs, gemm_rates, measure_gemm_here, measure_in_subprocess, measure_side_by_side,
+                           table, to_json)
 
 TORCH_USABLE = all(importlib.util.find_spec(name) for name in ("torch", "torchvision"))
 
@@ -310,26 +311,28 @@ def test_train_py_table_pairs_each_round_with_the_step_measured_next_to_it():
 
 
 @pytest.mark.parametrize("frameworks", [["mindspore", "torch"], ["torch", "mindspore"]])
-def test_train_py_runs_right_after_its_sizes_turns(monkeypatch, tmp_path, frameworks):
+def test_train_py_takes_turns_with_its_sizes_training_workers(monkeypatch, tmp_path, frameworks):
     """In each round the workers of one size take turns (every recipe's MindSpore step and PyTorch's, in the order
-    asked), and train.py runs right after them, so it shares the machine's phase with the step it is compared with.
-    The measurements themselves are replaced by records of their order: this tests the schedule alone."""
+    asked), and train.py takes turns with them, as many steps a turn as a worker's timing, so that its steps share
+    the machine's phases with the step they are compared with. The measurements themselves are replaced by records
+    of what each call was given: this tests the schedule alone."""
     import benchmark
-    order = []
+    calls = []
 
-    def measure_side_by_side(runs, threads):
-        order.append([run.describe() for run in runs])
-        return [Measurement(run.framework, "train", 32, 2, 2, [1.0],
-                            recipe=run.recipe if run.framework == "mindspore" else "") for run in runs]
+    def measure_side_by_side(runs, threads, train_py=None):
+        calls.append(([run.describe() for run in runs], train_py))
+        measured = [Measurement(run.framework, "train", 32, 2, 2, [1.0],
+                                recipe=run.recipe if run.framework == "mindspore" else "") for run in runs]
+        return measured + ([Measurement("train.py", "train", 32, 2, 2, [1.0])] if train_py else [])
     monkeypatch.setattr(benchmark, "measure_side_by_side", measure_side_by_side)
-    monkeypatch.setattr(benchmark, "measure_train_py",
-                        lambda *args, **kwargs: order.append("train.py") or Measurement("train.py", "train", 32, 2, 2,
-                                                                                        [1.0]))
     args = benchmark.parse_args(["--sizes", "32", "--modes", "train", "--rounds", "2", "--train_py",
-                                 "--recipes", "O0,O2", "--batch_size", "2"])
+                                 "--recipes", "O0,O2", "--batch_size", "2", "--repeats", "4"])
     measurements = benchmark.measure_models(args, frameworks, {32: 1}, {}, str(tmp_path))
     together = {"mindspore": ["mindspore O0", "mindspore O2"], "torch": ["torch"]}
-    assert order == [[run for framework in frameworks for run in together[framework]], "train.py"] * 2
+    assert len(calls) == 2
+    for runs, train_py in calls:
+        assert runs == [run for framework in frameworks for run in together[framework]]
+        assert (train_py.image_size, train_py.batch_size, train_py.steps, train_py.repeats) == (32, 2, 5, 4)
     assert sorted((m.framework, m.recipe, len(m.round_images_per_second)) for m in measurements) == [
         ("mindspore", "O0", 2), ("mindspore", "O2", 2), ("torch", "", 2), ("train.py", "", 2)]
 
@@ -343,7 +346,7 @@ def test_each_worker_warms_up_four_timings_worth_unless_told(monkeypatch, tmp_pa
     import benchmark
     told = []
 
-    def measure_side_by_side(runs, threads):
+    def measure_side_by_side(runs, threads, train_py=None):
         told.extend((run.framework, run.image_size, run.warmup) for run in runs)
         return [Measurement(run.framework, run.mode, run.image_size, run.batch_size, threads, [1.0]) for run in runs]
     monkeypatch.setattr(benchmark, "measure_side_by_side", measure_side_by_side)
@@ -418,15 +421,43 @@ def test_a_worker_that_fails_stops_the_others(tmp_path):
 
 
 @pytest.mark.slow
-def test_train_py_measurement_times_a_real_train_py_run(tmp_path):
-    """--train_py runs train.py itself: two epochs, the second one's steps timed from its own log lines."""
-    from src.benchmark import measure_train_py
-    measurement = measure_train_py("resnet18", 32, 4, 2, 6, str(tmp_path))
-    assert measurement.framework == "train.py" and len(measurement.seconds_per_step) == 6
-    assert all(seconds > 0 for seconds in measurement.seconds_per_step)
+def test_train_py_takes_turns_stopped_between_them_and_its_stops_are_not_in_its_step_times(tmp_path):
+    """--train_py runs train.py itself (two epochs, evaluated at the end) beside the workers: its second epoch's
+    steps run a turn at a time between the workers' timings, the process stopped meanwhile, and a step's time leaves
+    out the time the process was stopped in it."""
+    steps, repeats = 3, 3
+    worker, train_py = measure_side_by_side([WorkerRun("mindspore", "train", "resnet18", 32, 4, 4, repeats, steps)],
+                                            2, TrainPyRun("resnet18", 32, 4, steps, repeats, str(tmp_path)))
+    assert train_py.framework == "train.py" and len(train_py.seconds_per_step) == steps * repeats
+    assert all(seconds > 0 for seconds in train_py.seconds_per_step)
+    # Each timed turn of train.py starts after the worker's timing before it has ended, and its steps fit before
+    # the worker's next timing: a step that kept the stop's time would overrun into it by a whole worker turn.
+    worker_ends = [start + steps * seconds
+                   for start, seconds in zip(worker.timing_start_times, worker.seconds_per_step)]
+    for turn, start in enumerate(train_py.timing_start_times):
+        assert start > worker_ends[turn]
+        took = sum(train_py.seconds_per_step[turn * steps:(turn + 1) * steps])
+        window = (worker.timing_start_times[turn + 1] if turn + 1 < repeats else worker.ended_at) - start
+        assert took < window + 0.5 * steps * worker.seconds_per_step[turn]
+    assert train_py.idle_cpu_seconds < 0.05 * train_py.idle_seconds  # stopped while the worker ran
     from conftest import read_metrics
     _, rows = read_metrics(tmp_path / "train-32")
     assert [row["epoch"] for row in rows] == ["1", "2"] and rows[1]["top1"]  # a whole run, evaluated at its end
+
+
+@pytest.mark.slow
+def test_a_train_py_that_fails_ends_the_measurement_with_its_error_and_no_process_left(tmp_path):
+    """train.py's own one-line error (here: its data folder can't be made, a file is in the way) ends the
+    measurement, and the worker waiting beside it does not outlive it."""
+    import psutil  # a requirement of MindSpore
+    before = set(psutil.Process().children(recursive=True))
+    in_the_way = tmp_path / "a-file"
+    in_the_way.write_text("")
+    with pytest.raises(RuntimeError, match="train.py 32x32: failed") as failure:
+        measure_side_by_side([WorkerRun("mindspore", "train", "resnet18", 32, 2, 1, 1, 1)], 2,
+                             TrainPyRun("resnet18", 32, 2, 1, 1, str(in_the_way)))
+    assert "a-file" in str(failure.value) and "Traceback" not in str(failure.value)
+    assert [child for child in psutil.Process().children(recursive=True) if child not in before] == []
 
 
 @pytest.mark.slow
