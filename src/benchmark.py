@@ -569,7 +569,8 @@ def measure_side_by_side(runs: Sequence[WorkerRun], threads: int,
     the CPU time it used meanwhile is recorded (Measurement.idle_seconds, idle_cpu_seconds).
     With train_py, a real train.py run takes turns last, stopped between its turns (_StoppedTrainPy), and its
     measurement comes last."""
-    if len({run.repeats for run in runs} | ({train_py.repeats} if train_py else set())) > 1:
+    repeats = {run.repeats for run in runs} | ({train_py.repeats} if train_py else set())
+    if len(repeats) > 1:
         raise ValueError("workers taking turns need the same number of repeats")
     with contextlib.ExitStack() as stack:
         workers: List[Union[_TurnTakingWorker, _StoppedTrainPy]] = []
@@ -584,7 +585,7 @@ def measure_side_by_side(runs: Sequence[WorkerRun], threads: int,
             stack.callback(_stop, worker.process)
             workers.append(worker)
             worker.wait_until_idle()
-        for _ in range(1 + (runs[0] if runs else train_py).repeats):  # the warm-up's last block, then the timings
+        for _ in range(1 + repeats.pop()):  # the warm-up's last block, then the timings
             for worker in workers:
                 others = [(other, _process_cpu_seconds(other.process.pid)) for other in workers if other is not worker]
                 started = time.perf_counter()
